@@ -1,0 +1,380 @@
+"""The llama.cpp stage backend: one layer range, many sequences, one `llama_decode` per batch.
+
+A batch is a list of segments; each is a run of consecutive positions of one
+sequence (a decode step is a segment of one token, a prefill chunk a longer one).
+Everything a segment claims is checked before llama.cpp sees it, and a failed
+decode removes what it wrote to the KV cache, so every sequence stays exactly as
+it was. The backend is synchronous and single-owner: the engine calls it from one
+worker thread at a time.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import llama_cpp as lc
+import numpy as np
+import numpy.typing as npt
+
+from engine.batch_buffer import BatchBuffer
+from engine.hidden_capture import HiddenCapture
+from engine.llama_handles import LlamaContext, LlamaModel, SamplerChain, capture_llama_log
+from engine.sampling import GREEDY, SamplingParams
+
+KEY_SOURCE_MODEL = "neuron_tai.source_model"
+KEY_SOURCE_BLOCKS = "neuron_tai.source_block_count"
+KEY_LAYER_START = "neuron_tai.layer_start"
+
+
+# KV cache element types: name -> (ggml type id, bytes per element)
+KV_TYPES = {"f32": (0, 4), "f16": (1, 2)}
+
+
+class Output(enum.Enum):
+    """What a segment wants back."""
+
+    NONE = "none"  # a prefill chunk that is not the last of its step
+    HIDDEN = "hidden"  # every row's hidden state (non-last stages)
+    LOGITS = "logits"  # the last row's logits (last stage)
+    TOKEN = "token"  # a token sampled from the last row (last stage)
+
+
+class Refusal(enum.Enum):
+    """Why a request was refused before llama.cpp saw it; nothing changed."""
+
+    UNKNOWN_SEQUENCE = "unknown_session"
+    POSITION = "position"
+    BAD_INPUT = "bad_request"
+    WRONG_STAGE = "wrong_stage"
+    NO_SLOT = "session_limit"
+    TOO_LARGE = "too_large"
+
+
+class Refused(Exception):
+    def __init__(self, reason: Refusal, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class DecodeOutcome(enum.IntEnum):
+    """`llama_decode` return codes; negative codes are fatal errors."""
+
+    OK = 0
+    NO_KV_SLOT = 1
+    ABORTED = 2
+    FATAL = -1
+
+    @classmethod
+    def of(cls, rc: int) -> DecodeOutcome:
+        return cls.FATAL if rc < 0 else cls(rc) if rc in (0, 1, 2) else cls.FATAL
+
+
+class DecodeFailed(Exception):
+    """llama.cpp failed the batch; every sequence was rolled back to before it."""
+
+    def __init__(self, outcome: DecodeOutcome, rc: int) -> None:
+        super().__init__(f"llama_decode failed: {outcome.name} (return code {rc})")
+        self.outcome = outcome
+        self.rc = rc
+
+
+@dataclass(frozen=True, slots=True)
+class ContextConfig:
+    """Explicit llama.cpp context parameters of a stage."""
+
+    n_seq_max: int = 8
+    n_ctx: int = 4096  # KV cells, shared by all sequences (unified cache)
+    n_batch: int = 512
+    n_ubatch: int = 512
+    n_threads: int = 2
+    swa_full: bool = False
+    kv_type: str = "f16"  # element type of the K and V caches: "f16" or "f32"
+    flash_attn: bool | None = None  # None: llama.cpp decides (its CPU kernel rounds through f16)
+
+    def __post_init__(self) -> None:
+        if self.kv_type not in KV_TYPES:
+            raise ValueError(f"kv_type must be one of {sorted(KV_TYPES)}, not {self.kv_type!r}")
+        if not 1 <= self.n_ubatch <= self.n_batch:
+            raise ValueError(f"need 1 <= n_ubatch ({self.n_ubatch}) <= n_batch ({self.n_batch})")
+        if self.n_seq_max < 1 or self.n_ctx < 1 or self.n_threads < 1:
+            raise ValueError("n_seq_max, n_ctx and n_threads must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class StageInfo:
+    """What a stage serves (PROTOCOL.md `opened.stage`)."""
+
+    first: bool
+    last: bool
+    layers: tuple[int, int]
+    n_embd: int
+    n_vocab: int
+    n_layer: int
+    n_swa: int
+    model: str
+    arch: str
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """Consecutive positions pos..pos+n-1 of sequence `seq`: token ids or hidden rows."""
+
+    seq: int
+    pos: int
+    tokens: npt.NDArray[np.int32] | None = None
+    hidden: npt.NDArray[np.float32] | None = None
+    output: Output = Output.NONE
+
+    @property
+    def n(self) -> int:
+        if self.tokens is not None:
+            return len(self.tokens)
+        return 0 if self.hidden is None else len(self.hidden)
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentResult:
+    seq: int
+    hidden: npt.NDArray[np.float32] | None = None
+    logits: npt.NDArray[np.float32] | None = None
+    token: int | None = None
+
+
+@dataclass(slots=True)
+class _Sequence:
+    length: int = 0
+    sampler: SamplerChain | None = None
+
+
+@dataclass(slots=True)
+class _Buffers:
+    batch: BatchBuffer
+    capture: HiddenCapture | None = None
+    log: list[str] = field(default_factory=list)
+
+
+class StageBackend:
+    """Runs one layer range of a GGUF model for up to `n_seq_max` sequences."""
+
+    def __init__(self, model_path: Path, config: ContextConfig) -> None:
+        self.config = config
+        self.model = LlamaModel(model_path)
+        m = self.model
+        start = int(m.meta(KEY_LAYER_START) or 0)
+        source_blocks = int(m.meta(KEY_SOURCE_BLOCKS) or m.n_layer)
+        end = start + m.n_layer
+        self.info = StageInfo(
+            first=start == 0,
+            last=end == source_blocks,
+            layers=(start, end),
+            n_embd=m.n_embd,
+            n_vocab=m.n_vocab,
+            n_layer=m.n_layer,
+            n_swa=m.n_swa,
+            model=m.meta(KEY_SOURCE_MODEL) or m.meta("general.name") or model_path.stem,
+            arch=m.meta("general.architecture") or "",
+        )
+        capture = None if self.info.last else HiddenCapture(m.n_layer, m.n_embd, config.n_batch)
+        params = lc.llama_context_default_params()
+        params.n_ctx = config.n_ctx
+        params.n_batch = config.n_batch
+        params.n_ubatch = config.n_ubatch
+        params.n_seq_max = config.n_seq_max
+        params.n_threads = config.n_threads
+        params.n_threads_batch = config.n_threads
+        params.kv_unified = True  # rows come back in batch order only with a unified cache
+        params.swa_full = config.swa_full
+        params.type_k = params.type_v = KV_TYPES[config.kv_type][0]
+        if config.flash_attn is not None:
+            params.flash_attn_type = int(config.flash_attn)  # LLAMA_FLASH_ATTN_TYPE_{DISABLED,ENABLED}
+        params.no_perf = True
+        if capture is not None:
+            params.cb_eval = capture.callback
+        try:
+            with capture_llama_log() as lines:
+                self.ctx = LlamaContext(m, params)
+        except BaseException:
+            m.close()
+            raise
+        self.context_log = lines
+        self._buf = _Buffers(BatchBuffer(config.n_batch, 0 if self.info.first else m.n_embd), capture)
+        self._seqs: dict[int, _Sequence] = {}
+
+    # -- sequences ---------------------------------------------------------------
+
+    def open_sequence(self, sampling: SamplingParams = GREEDY) -> int:
+        """Claim a free sequence id."""
+        free = next((s for s in range(self.ctx.n_seq_max) if s not in self._seqs), None)
+        if free is None:
+            raise Refused(Refusal.NO_SLOT, f"all {self.ctx.n_seq_max} sequences are in use")
+        sampler = None
+        if self.info.last:
+            sampler = SamplerChain(sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed)
+        self._seqs[free] = _Sequence(sampler=sampler)
+        return free
+
+    def close_sequence(self, seq: int) -> None:
+        """Free a sequence's KV and sampler; closing an unknown sequence does nothing."""
+        state = self._seqs.pop(seq, None)
+        if state is None:
+            return
+        self.ctx.seq_rm(seq, 0, -1)
+        if state.sampler is not None:
+            state.sampler.close()
+
+    def length(self, seq: int) -> int:
+        return self._known(seq).length
+
+    @property
+    def open_sequences(self) -> int:
+        return len(self._seqs)
+
+    def can_rewind(self, seq: int, pos: int) -> bool:
+        """Whether the cache still holds what recomputing from `pos` needs.
+
+        Sliding-window layers keep only recent positions (unless `swa_full`): a
+        token at `pos` attends to the window before it, which must still be there.
+        """
+        state = self._known(seq)
+        if not 0 <= pos <= state.length:
+            return False
+        if pos in (state.length, 0) or self.info.n_swa <= 0 or self.config.swa_full:
+            return True
+        return self.ctx.seq_pos_min(seq) <= max(0, pos - self.info.n_swa)
+
+    def rewind(self, seq: int, pos: int) -> None:
+        """Drop positions pos.. of a sequence; refused when the cache cannot honour it."""
+        state = self._known(seq)
+        if pos > state.length or pos < 0:
+            raise Refused(Refusal.POSITION, f"cannot rewind to {pos}: sequence holds {state.length} positions")
+        if not self.can_rewind(seq, pos):
+            raise Refused(
+                Refusal.POSITION,
+                f"cannot rewind to {pos}: the sliding-window cache (window {self.info.n_swa}) "
+                f"no longer holds positions before {self.ctx.seq_pos_min(seq)}",
+            )
+        if pos < state.length:
+            self.ctx.seq_rm(seq, pos, -1)
+            state.length = pos
+
+    def _known(self, seq: int) -> _Sequence:
+        state = self._seqs.get(seq)
+        if state is None:
+            raise Refused(Refusal.UNKNOWN_SEQUENCE, f"no open sequence {seq}")
+        return state
+
+    # -- decoding ----------------------------------------------------------------
+
+    def validate(self, segments: Sequence[Segment]) -> None:
+        """Refuse a batch that llama.cpp must not see; changes nothing."""
+        info, seen, total = self.info, set(), 0
+        for s in segments:
+            state = self._known(s.seq)
+            if s.seq in seen:
+                raise Refused(Refusal.BAD_INPUT, f"sequence {s.seq} appears twice in one batch")
+            seen.add(s.seq)
+            if s.n < 1:
+                raise Refused(Refusal.BAD_INPUT, "a segment needs at least one row")
+            if s.pos != state.length:
+                raise Refused(
+                    Refusal.POSITION, f"sequence {s.seq}: segment starts at {s.pos}, sequence holds {state.length}"
+                )
+            if (s.tokens is None) == (s.hidden is None):
+                raise Refused(Refusal.BAD_INPUT, "a segment carries either tokens or hidden states")
+            if (info.first and s.tokens is None) or (not info.first and s.hidden is None):
+                want = "token ids" if info.first else "hidden states"
+                raise Refused(Refusal.WRONG_STAGE, f"this stage (layers {info.layers}) takes {want}")
+            if s.output in (Output.LOGITS, Output.TOKEN) and not info.last:
+                raise Refused(Refusal.WRONG_STAGE, f"only a last stage gives {s.output.value}")
+            if s.output is Output.HIDDEN and info.last:
+                raise Refused(Refusal.WRONG_STAGE, "a last stage gives logits or tokens, not hidden states")
+            if s.tokens is not None:
+                if s.tokens.size and (int(s.tokens.min()) < 0 or int(s.tokens.max()) >= info.n_vocab):
+                    raise Refused(Refusal.BAD_INPUT, f"token ids must be in [0, {info.n_vocab})")
+            elif s.hidden is not None:
+                if s.hidden.ndim != 2 or s.hidden.shape[1] != info.n_embd:
+                    raise Refused(
+                        Refusal.BAD_INPUT, f"hidden states must be [n, {info.n_embd}], got {list(s.hidden.shape)}"
+                    )
+                if not np.isfinite(s.hidden).all():
+                    raise Refused(Refusal.BAD_INPUT, "hidden states must be finite (no NaN or Inf)")
+            total += s.n
+        if total > self.config.n_batch:
+            raise Refused(Refusal.TOO_LARGE, f"batch of {total} rows exceeds n_batch {self.config.n_batch}")
+
+    def decode(self, segments: Sequence[Segment]) -> list[SegmentResult]:
+        """Run one batch; returns one result per segment, in order."""
+        self.validate(segments)
+        buf = self._buf
+        buf.batch.clear()
+        rows: list[range] = []
+        for s in segments:
+            outputs = s.output is Output.HIDDEN
+            r = buf.batch.add(s.seq, s.pos, tokens=s.tokens, hidden=s.hidden, outputs=outputs)
+            if s.output in (Output.LOGITS, Output.TOKEN):
+                buf.batch.logits[r.stop - 1] = 1
+            rows.append(r)
+        if buf.capture is not None:
+            buf.capture.reset()
+        rc = self.ctx.decode(buf.batch.view())
+        expected = sum(s.n for s in segments if s.output is Output.HIDDEN)
+        if rc == 0 and buf.capture is not None and (buf.capture.overflow or buf.capture.rows != expected):
+            rc = -100  # the capture did not see the rows it must: treat as fatal, roll back
+        if rc != 0:
+            for s in segments:
+                self.ctx.seq_rm(s.seq, self._seqs[s.seq].length, -1)
+            raise DecodeFailed(DecodeOutcome.of(rc), rc)
+        return self._collect(segments, rows)
+
+    def _collect(self, segments: Sequence[Segment], rows: list[range]) -> list[SegmentResult]:
+        results: list[SegmentResult] = []
+        captured = 0
+        for s, r in zip(segments, rows, strict=True):
+            state = self._seqs[s.seq]
+            state.length += s.n
+            if s.output is Output.HIDDEN:
+                assert self._buf.capture is not None
+                hidden = self._buf.capture.buffer[captured : captured + s.n].copy()
+                captured += s.n
+                results.append(SegmentResult(s.seq, hidden=hidden))
+            elif s.output is Output.LOGITS:
+                row = np.ctypeslib.as_array(self.ctx.logits_row(r.stop - 1), shape=(self.info.n_vocab,))
+                results.append(SegmentResult(s.seq, logits=row.copy()))
+            elif s.output is Output.TOKEN:
+                assert state.sampler is not None
+                results.append(SegmentResult(s.seq, token=state.sampler.sample(self.ctx, r.stop - 1, state.length)))
+            else:
+                results.append(SegmentResult(s.seq))
+        return results
+
+    # -- vocabulary ---------------------------------------------------------------
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        return self.model.tokenize(text, add_special)
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        bad = [t for t in tokens if not 0 <= t < self.info.n_vocab]
+        if bad:
+            raise Refused(Refusal.BAD_INPUT, f"token ids must be in [0, {self.info.n_vocab}), got {bad[:4]}")
+        return self.model.detokenize(list(tokens))
+
+    # -- lifetime -----------------------------------------------------------------
+
+    def close(self) -> None:
+        """Free samplers, then the context, then the model; safe to call twice."""
+        for state in self._seqs.values():
+            if state.sampler is not None:
+                state.sampler.close()
+        self._seqs.clear()
+        if hasattr(self, "ctx"):
+            self.ctx.close()
+        self.model.close()
+
+    def __enter__(self) -> StageBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

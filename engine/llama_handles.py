@@ -1,0 +1,230 @@
+"""Owned llama.cpp handles: explicit `close()`, safe to call twice, freed in dependency order.
+
+Modelled on llama-cpp-python's `_internals.py`: every C pointer has exactly one
+Python owner; a context must be closed before the model it was made from.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import cast
+
+import llama_cpp as lc
+
+log = logging.getLogger("llama.cpp")
+
+_init_lock = threading.Lock()
+_initialised = False
+_log_sinks: list[list[str]] = []
+_pending: list[str] = []
+_pending_level = 0
+
+# ggml_log_level: 1 debug, 2 info, 3 warn, 4 error, 5 continues the previous message
+_LEVELS = {1: logging.DEBUG, 2: logging.DEBUG, 3: logging.WARNING, 4: logging.ERROR}
+_CONT = 5
+
+
+def _on_log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
+    global _pending_level
+    if level != _CONT:
+        _flush_pending()
+        _pending_level = level
+    piece = text.decode("utf-8", "replace")
+    _pending.append(piece)
+    if piece.endswith("\n"):
+        _flush_pending()
+
+
+_on_log_c = lc.llama_log_callback(_on_log)  # module-level: llama.cpp keeps the pointer
+
+
+def _flush_pending() -> None:
+    if not _pending:
+        return
+    line = "".join(_pending).rstrip("\n")
+    _pending.clear()
+    for sink in _log_sinks:
+        sink.append(line)
+    log.log(_LEVELS.get(_pending_level, logging.DEBUG), "%s", line)
+
+
+def ensure_backend() -> None:
+    """Initialise llama.cpp once per process and route its log into `logging`."""
+    global _initialised
+    with _init_lock:
+        if not _initialised:
+            lc.llama_log_set(_on_log_c, ctypes.c_void_p(0))
+            lc.llama_backend_init()
+            _initialised = True
+
+
+@contextmanager
+def capture_llama_log() -> Iterator[list[str]]:
+    """Collect llama.cpp's log lines while the block runs (buffer sizes are logged there)."""
+    lines: list[str] = []
+    _log_sinks.append(lines)
+    try:
+        yield lines
+    finally:
+        _flush_pending()
+        _log_sinks.remove(lines)
+
+
+class LlamaModel:
+    """A loaded (shard) model, memory-mapped."""
+
+    def __init__(self, path: Path) -> None:
+        ensure_backend()
+        params = lc.llama_model_default_params()
+        params.use_mmap = True
+        ptr = lc.llama_model_load_from_file(str(path).encode(), params)
+        if not ptr:
+            raise ValueError(f"{path}: llama.cpp could not load this model")
+        self._ptr: lc.llama_model_p | None = ptr
+        self.vocab = lc.llama_model_get_vocab(ptr)
+        self.n_embd = int(lc.llama_model_n_embd(ptr))
+        self.n_layer = int(lc.llama_model_n_layer(ptr))
+        self.n_vocab = int(lc.llama_vocab_n_tokens(self.vocab))
+        self.n_swa = int(lc.llama_model_n_swa(ptr))
+        self.size_bytes = int(lc.llama_model_size(ptr))
+
+    @property
+    def ptr(self) -> lc.llama_model_p:
+        if self._ptr is None:
+            raise RuntimeError("model is closed")
+        return self._ptr
+
+    def meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(512)
+        n = lc.llama_model_meta_val_str(self.ptr, key.encode(), buf, len(buf))
+        return None if n < 0 else buf.value.decode("utf-8", "replace")
+
+    def tokenize(self, text: str, add_special: bool) -> list[int]:
+        raw = text.encode("utf-8")
+        cap = len(raw) + 8
+        while True:
+            out = (lc.llama_token * cap)()
+            n = lc.llama_tokenize(self.vocab, raw, len(raw), out, cap, add_special, False)
+            if n >= 0:
+                return list(out[:n])
+            cap = -n
+
+    def detokenize(self, tokens: list[int]) -> str:
+        arr = (lc.llama_token * max(1, len(tokens)))(*tokens)
+        cap = 16 * len(tokens) + 16
+        while True:
+            buf = ctypes.create_string_buffer(cap)
+            n = lc.llama_detokenize(self.vocab, arr, len(tokens), buf, cap, False, False)
+            if n >= 0:
+                return buf.raw[:n].decode("utf-8", "replace")
+            cap = -n
+
+    def is_eog(self, token: int) -> bool:
+        return bool(lc.llama_vocab_is_eog(self.vocab, token))
+
+    def close(self) -> None:
+        if self._ptr is not None:
+            lc.llama_model_free(self._ptr)
+            self._ptr = None
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class LlamaContext:
+    """A llama.cpp context (KV cache + compute buffers) over a model."""
+
+    def __init__(self, model: LlamaModel, params: lc.llama_context_params) -> None:
+        ptr = lc.llama_init_from_model(model.ptr, params)
+        if not ptr:
+            raise ValueError("llama.cpp could not create a context with these parameters")
+        self._ptr: lc.llama_context_p | None = ptr
+        self._params = params  # keeps the eval callback object alive with the context
+        self.memory = lc.llama_get_memory(ptr)
+        self.n_ctx = int(lc.llama_n_ctx(ptr))
+        self.n_seq_max = int(lc.llama_n_seq_max(ptr))
+
+    @property
+    def ptr(self) -> lc.llama_context_p:
+        if self._ptr is None:
+            raise RuntimeError("context is closed")
+        return self._ptr
+
+    def decode(self, batch: lc.llama_batch) -> int:
+        return int(lc.llama_decode(self.ptr, batch))
+
+    def seq_rm(self, seq: int, p0: int, p1: int = -1) -> bool:
+        return bool(lc.llama_memory_seq_rm(self.memory, seq, p0, p1))
+
+    def seq_pos_min(self, seq: int) -> int:
+        return int(lc.llama_memory_seq_pos_min(self.memory, seq))
+
+    def seq_pos_max(self, seq: int) -> int:
+        return int(lc.llama_memory_seq_pos_max(self.memory, seq))
+
+    def logits_row(self, i: int) -> ctypes._Pointer[ctypes.c_float]:
+        """Logits of batch row `i` of the last decode (valid until the next decode)."""
+        return cast("ctypes._Pointer[ctypes.c_float]", lc.llama_get_logits_ith(self.ptr, i))
+
+    def close(self) -> None:
+        if self._ptr is not None:
+            lc.llama_free(self._ptr)
+            self._ptr = None
+            self.memory = None
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class SamplerChain:
+    """A session's llama.cpp sampler chain.
+
+    The random step is re-seeded from (seed, position) before every draw, so a
+    retried step samples the same token as the first try (PROTOCOL.md: retries
+    are idempotent) and a rewound session resamples exactly as a fresh one.
+    """
+
+    def __init__(self, temperature: float, top_k: int, top_p: float, seed: int) -> None:
+        self.greedy = temperature <= 0.0
+        self.seed = seed
+        self._ptr: lc.llama_sampler_p | None = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
+        if self.greedy:
+            lc.llama_sampler_chain_add(self._ptr, lc.llama_sampler_init_greedy())
+            return
+        if top_k > 0:
+            lc.llama_sampler_chain_add(self._ptr, lc.llama_sampler_init_top_k(top_k))
+        if top_p < 1.0:
+            lc.llama_sampler_chain_add(self._ptr, lc.llama_sampler_init_top_p(top_p, 1))
+        lc.llama_sampler_chain_add(self._ptr, lc.llama_sampler_init_temp(temperature))
+        lc.llama_sampler_chain_add(self._ptr, lc.llama_sampler_init_dist(seed & 0xFFFFFFFF))
+
+    def sample(self, ctx: LlamaContext, row: int, pos: int) -> int:
+        """Sample from batch row `row` of the last decode; `pos` is the sampled token's position."""
+        if self._ptr is None:
+            raise RuntimeError("sampler is closed")
+        if not self.greedy:
+            last = lc.llama_sampler_chain_n(self._ptr) - 1
+            lc.llama_sampler_free(lc.llama_sampler_chain_remove(self._ptr, last))
+            lc.llama_sampler_chain_add(self._ptr, lc.llama_sampler_init_dist(_mix(self.seed, pos)))
+        return int(lc.llama_sampler_sample(self._ptr, ctx.ptr, row))
+
+    def close(self) -> None:
+        if self._ptr is not None:
+            lc.llama_sampler_free(self._ptr)
+            self._ptr = None
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def _mix(seed: int, pos: int) -> int:
+    """A 32-bit seed for one draw (splitmix64 finaliser of seed and position)."""
+    z = (seed * 0x9E3779B97F4A7C15 + pos + 1) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & 0xFFFFFFFF

@@ -1,0 +1,59 @@
+"""Fixtures: tiny models written by the test session itself (no downloads)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from engine.backend import ContextConfig, StageBackend
+from neuron_tai.shard import stage_bounds, write_stages
+from neuron_tai.testmodel import TinySpec, write_tiny_model
+
+TINY_GEMMA = TinySpec(arch="gemma3", n_layer=6, sliding_window=4, seed=99)
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(model_dir: Path) -> Path:
+    return write_tiny_model(model_dir / "tiny-llama.gguf")
+
+
+@pytest.fixture(scope="session")
+def tiny_shards2(tiny_model: Path, model_dir: Path) -> list[Path]:
+    return write_stages(tiny_model, model_dir / "s2", stage_bounds(4, stages=2))
+
+
+@pytest.fixture(scope="session")
+def tiny_shards3(tiny_model: Path, model_dir: Path) -> list[Path]:
+    return write_stages(tiny_model, model_dir / "s3", stage_bounds(4, split=[1, 3]))
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma(model_dir: Path) -> Path:
+    return write_tiny_model(model_dir / "tiny-gemma3.gguf", TINY_GEMMA)
+
+
+# F32 cache and no flash attention (llama.cpp's CPU kernel rounds through f16) for the
+# F32 test model: batched-vs-solo differences stay at F32 rounding size.
+CONFIG = ContextConfig(n_seq_max=8, n_ctx=1024, n_batch=64, n_ubatch=16, kv_type="f32", flash_attn=False)
+
+
+@pytest.fixture
+def open_backend() -> Iterator[type[StageBackend]]:
+    """Open backends that are closed when the test ends: `open_backend(path, config)`."""
+    opened: list[StageBackend] = []
+
+    def make(path: Path, config: ContextConfig = CONFIG) -> StageBackend:
+        backend = StageBackend(path, config)
+        opened.append(backend)
+        return backend
+
+    yield make  # type: ignore[misc]
+    for backend in opened:
+        backend.close()

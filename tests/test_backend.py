@@ -1,0 +1,271 @@
+"""The llama.cpp stage backend on the tiny model: exactness, isolation, refusals, rollback."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from engine.backend import (
+    ContextConfig,
+    DecodeFailed,
+    DecodeOutcome,
+    Output,
+    Refusal,
+    Refused,
+    Segment,
+    StageBackend,
+)
+from engine.sampling import SamplingParams
+from neuron_tai.shard import write_stages
+from tests.conftest import CONFIG
+from tests.pipeline import Pipeline
+
+OpenBackend = Any
+
+
+def prompts(seed: int, lengths: list[int], n_vocab: int = 268) -> dict[str, list[int]]:
+    rng = np.random.default_rng(seed)
+    return {f"s{i}": [1, *rng.integers(3, n_vocab, n - 1).tolist()] for i, n in enumerate(lengths)}
+
+
+LENGTHS = [5, 11, 3, 17]
+
+
+@pytest.mark.parametrize("shards", ["tiny_shards2", "tiny_shards3"])
+def test_split_pipeline_is_bit_identical_to_whole_model(
+    shards: str, tiny_model: Path, open_backend: OpenBackend, request: pytest.FixtureRequest
+) -> None:
+    paths: list[Path] = request.getfixturevalue(shards)
+    whole = Pipeline([open_backend(tiny_model)]).greedy(prompts(1, LENGTHS), steps=16)
+    split = Pipeline([open_backend(p) for p in paths]).greedy(prompts(1, LENGTHS), steps=16)
+    for name in whole:
+        assert len(split[name]) == 17
+        for step, (a, b) in enumerate(zip(whole[name], split[name], strict=True)):
+            assert np.array_equal(a, b), f"{name} step {step}: max diff {np.abs(a - b).max()}"
+
+
+def test_outputs_do_not_depend_on_partners_contents(tiny_shards2: list[Path], open_backend: OpenBackend) -> None:
+    """Same batch shape, different co-batched sessions: the observed session is bit-identical."""
+    mine = prompts(7, [9])["s0"]
+    traces = []
+    for partner_seed in (100, 200):
+        partners = {f"p{k}": v for k, v in prompts(partner_seed, [4, 13, 6]).items()}
+        pipe = Pipeline([open_backend(p) for p in tiny_shards2])
+        traces.append(pipe.greedy({"me": mine, **partners}, steps=20)["me"])
+    for step, (a, b) in enumerate(zip(*traces, strict=True)):
+        assert np.array_equal(a, b), f"step {step}"
+    # The partners really differed: their first-step logits are not the same.
+    assert len(traces[0]) == 21
+
+
+def test_batched_matches_solo_within_tolerance(tiny_model: Path, open_backend: OpenBackend) -> None:
+    """F32 weights: batched vs solo differ by rounding only; greedy tokens identical."""
+    all_prompts = prompts(3, [6, 14, 9, 3, 4, 11, 8, 7])
+    batched = Pipeline([open_backend(tiny_model)]).greedy(all_prompts, steps=32)
+    worst = 0.0
+    for name, prompt in all_prompts.items():
+        solo = Pipeline([open_backend(tiny_model, replace(CONFIG, n_seq_max=1))]).greedy({name: prompt}, steps=32)
+        for a, b in zip(batched[name], solo[name], strict=True):
+            assert int(np.argmax(a)) == int(np.argmax(b))
+            worst = max(worst, float(np.abs(a - b).max() / np.abs(b).max()))
+    assert 0.0 < worst < 1e-5, f"relative logit difference {worst}"
+
+
+def test_rewind_equals_a_fresh_session(tiny_model: Path, open_backend: OpenBackend) -> None:
+    backend: StageBackend = open_backend(tiny_model)
+    tokens = np.array(prompts(5, [12])["s0"], np.int32)
+    other = np.array(prompts(6, [12])["s0"], np.int32)
+    seq = backend.open_sequence()
+    backend.decode([Segment(seq, 0, tokens=other, output=Output.LOGITS)])
+    backend.rewind(seq, 4)
+    assert backend.length(seq) == 4
+    backend.rewind(seq, 0)
+    rewound = backend.decode([Segment(seq, 0, tokens=tokens, output=Output.LOGITS)])[0].logits
+    fresh_seq = backend.open_sequence()
+    fresh = backend.decode([Segment(fresh_seq, 0, tokens=tokens, output=Output.LOGITS)])[0].logits
+    assert rewound is not None and fresh is not None
+    # Different KV cells change the summation order: equal to F32 rounding, not bit-exact.
+    np.testing.assert_allclose(rewound, fresh, rtol=1e-5, atol=1e-5)
+    assert int(np.argmax(rewound)) == int(np.argmax(fresh))
+    # Partial rewind: replay the tail of the same tokens and get the same last logits.
+    backend.rewind(seq, 7)
+    again = backend.decode([Segment(seq, 7, tokens=tokens[7:], output=Output.LOGITS)])[0].logits
+    assert again is not None
+    np.testing.assert_allclose(again, fresh, rtol=1e-5, atol=1e-5)
+
+
+def test_seeded_sampling_is_reproducible_and_retry_safe(tiny_model: Path, open_backend: OpenBackend) -> None:
+    backend: StageBackend = open_backend(tiny_model)
+    params = SamplingParams(temperature=1.5, top_k=40, top_p=0.95, seed=42)
+    prompt = np.array(prompts(8, [6])["s0"], np.int32)
+
+    def sample_run(seed_params: SamplingParams, n: int = 12) -> list[int]:
+        seq = backend.open_sequence(seed_params)
+        tok = backend.decode([Segment(seq, 0, tokens=prompt, output=Output.TOKEN)])[0].token
+        out = [tok]
+        for _ in range(n):
+            assert tok is not None
+            pos = backend.length(seq)
+            tok = backend.decode([Segment(seq, pos, tokens=np.array([tok], np.int32), output=Output.TOKEN)])[0].token
+            out.append(tok)
+        # A retried last step (rewind one, resend) samples the same token.
+        backend.rewind(seq, pos)
+        retry = backend.decode([Segment(seq, pos, tokens=np.array([out[-2]], np.int32), output=Output.TOKEN)])
+        assert retry[0].token == out[-1]
+        backend.close_sequence(seq)
+        return [int(t) for t in out if t is not None]
+
+    first, second = sample_run(params), sample_run(params)
+    assert first == second
+    assert sample_run(replace(params, seed=43)) != first
+    assert len(set(first)) > 1  # really sampling, not greedy
+
+
+@pytest.mark.parametrize(
+    ("make_segment", "reason"),
+    [
+        (lambda seq: Segment(seq, 3, tokens=np.array([5], np.int32), output=Output.LOGITS), Refusal.POSITION),
+        (lambda seq: Segment(seq + 5, 0, tokens=np.array([5], np.int32)), Refusal.UNKNOWN_SEQUENCE),
+        (lambda seq: Segment(seq, 0, tokens=np.array([5, 268], np.int32)), Refusal.BAD_INPUT),
+        (lambda seq: Segment(seq, 0, tokens=np.array([-1], np.int32)), Refusal.BAD_INPUT),
+        (lambda seq: Segment(seq, 0, hidden=np.zeros((1, 64), np.float32)), Refusal.WRONG_STAGE),
+        (lambda seq: Segment(seq, 0, tokens=np.array([5], np.int32), output=Output.HIDDEN), Refusal.WRONG_STAGE),
+        (lambda seq: Segment(seq, 0, tokens=np.zeros(65, np.int32)), Refusal.TOO_LARGE),
+        (lambda seq: Segment(seq, 0, tokens=np.zeros(0, np.int32)), Refusal.BAD_INPUT),
+    ],
+)
+def test_malformed_segments_are_refused_before_llama_cpp(
+    tiny_model: Path, open_backend: OpenBackend, make_segment: Any, reason: Refusal
+) -> None:
+    backend: StageBackend = open_backend(tiny_model)
+    seq = backend.open_sequence()
+    with pytest.raises(Refused) as info:
+        backend.decode([make_segment(seq)])
+    assert info.value.reason is reason
+    assert str(info.value)
+    assert backend.length(seq) == 0
+
+
+@pytest.mark.parametrize(
+    ("hidden", "reason"),
+    [
+        (np.zeros((2, 63), np.float32), Refusal.BAD_INPUT),
+        (np.full((2, 64), np.nan, np.float32), Refusal.BAD_INPUT),
+        (np.full((1, 64), np.inf, np.float32), Refusal.BAD_INPUT),
+    ],
+)
+def test_bad_hidden_input_is_refused(
+    tiny_shards2: list[Path], open_backend: OpenBackend, hidden: Any, reason: Refusal
+) -> None:
+    backend: StageBackend = open_backend(tiny_shards2[1])
+    seq = backend.open_sequence()
+    with pytest.raises(Refused) as info:
+        backend.decode([Segment(seq, 0, hidden=hidden, output=Output.LOGITS)])
+    assert info.value.reason is reason
+    assert backend.length(seq) == 0
+
+
+def test_duplicate_sequence_in_one_batch_is_refused(tiny_model: Path, open_backend: OpenBackend) -> None:
+    backend: StageBackend = open_backend(tiny_model)
+    seq = backend.open_sequence()
+    one = np.array([5], np.int32)
+    with pytest.raises(Refused, match="twice"):
+        backend.decode([Segment(seq, 0, tokens=one), Segment(seq, 1, tokens=one)])
+
+
+def test_failed_decode_changes_nothing(tiny_model: Path, open_backend: OpenBackend) -> None:
+    """A batch llama.cpp cannot place (no KV slot) leaves every sequence as it was."""
+    config = ContextConfig(n_seq_max=4, n_ctx=256, n_batch=256, n_ubatch=64)
+    backend: StageBackend = open_backend(tiny_model, config)
+    reference: StageBackend = open_backend(tiny_model, config)
+    assert backend.ctx.n_ctx == 256
+    a_tokens = np.array(prompts(11, [20])["s0"], np.int32)
+    for b in (backend, reference):
+        a = b.open_sequence()
+        b.decode([Segment(a, 0, tokens=a_tokens, output=Output.LOGITS)])
+    victim = backend.open_sequence()
+    backend.decode([Segment(victim, 0, tokens=a_tokens[:10])])
+    with pytest.raises(DecodeFailed) as info:
+        backend.decode(
+            [
+                Segment(0, 20, tokens=a_tokens[:4], output=Output.LOGITS),
+                Segment(victim, 10, tokens=np.zeros(240, np.int32), output=Output.LOGITS),
+            ]
+        )
+    assert info.value.outcome is DecodeOutcome.NO_KV_SLOT
+    assert backend.length(0) == 20 and backend.length(victim) == 10
+    assert backend.ctx.seq_pos_max(0) == 19 and backend.ctx.seq_pos_max(victim) == 9
+    step = np.array([7], np.int32)
+    after = backend.decode([Segment(0, 20, tokens=step, output=Output.LOGITS)])[0].logits
+    expected = reference.decode([Segment(0, 20, tokens=step, output=Output.LOGITS)])[0].logits
+    assert after is not None and expected is not None
+    np.testing.assert_allclose(after, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_sequences_are_limited_and_reusable(tiny_model: Path, open_backend: OpenBackend) -> None:
+    backend: StageBackend = open_backend(tiny_model, replace(CONFIG, n_seq_max=2))
+    a, b = backend.open_sequence(), backend.open_sequence()
+    with pytest.raises(Refused) as info:
+        backend.open_sequence()
+    assert info.value.reason is Refusal.NO_SLOT
+    backend.decode([Segment(a, 0, tokens=np.array([1, 5, 6], np.int32))])
+    backend.close_sequence(a)
+    backend.close_sequence(a)  # closing twice is harmless
+    c = backend.open_sequence()
+    assert c == a and backend.length(c) == 0 and backend.ctx.seq_pos_max(c) == -1
+    assert backend.open_sequences == 2 and b != c
+
+
+def test_sliding_window_rewind_is_refused_when_the_window_has_moved(
+    tiny_gemma: Path, open_backend: OpenBackend
+) -> None:
+    # llama.cpp sizes the window cache pad256(n_swa * n_seq_max + n_ubatch) = 256 cells here,
+    # so positions start to fall out of it after 256 tokens.
+    config = ContextConfig(n_seq_max=2, n_ctx=1024, n_batch=16, n_ubatch=16)
+    backend: StageBackend = open_backend(tiny_gemma, config)
+    assert backend.info.n_swa == 4
+    seq = backend.open_sequence()
+    tokens = np.array(prompts(12, [400])["s0"], np.int32)
+    for start in range(0, 400, 16):
+        backend.decode([Segment(seq, start, tokens=tokens[start : start + 16])])
+    assert backend.ctx.seq_pos_min(seq) > 40
+    with pytest.raises(Refused) as info:
+        backend.rewind(seq, 40)
+    assert info.value.reason is Refusal.POSITION and "sliding-window" in str(info.value)
+    assert backend.length(seq) == 400
+    backend.rewind(seq, 399)  # the window still covers a one-token retry
+    backend.rewind(seq, 0)  # dropping everything is always possible
+    assert backend.length(seq) == 0
+
+
+def test_sliding_window_shards_are_bit_identical(tiny_gemma: Path, model_dir: Path, open_backend: OpenBackend) -> None:
+    shards = write_stages(tiny_gemma, model_dir / "g3", [(0, 2), (2, 6)])
+    config = ContextConfig(n_seq_max=4, n_ctx=1024, n_batch=64, n_ubatch=16)
+    ps = prompts(13, [9, 30, 5])
+    whole = Pipeline([open_backend(tiny_gemma, config)]).greedy(ps, steps=16)
+    split = Pipeline([open_backend(p, config) for p in shards]).greedy(ps, steps=16)
+    for name in whole:
+        for a, b in zip(whole[name], split[name], strict=True):
+            assert np.array_equal(a, b)
+
+
+def test_backend_close_is_idempotent(tiny_model: Path) -> None:
+    backend = StageBackend(tiny_model, CONFIG)
+    backend.open_sequence(SamplingParams(temperature=1.0, seed=1))
+    backend.close()
+    backend.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        _ = backend.ctx.ptr
+
+
+def test_tokenize_round_trip(tiny_model: Path, open_backend: OpenBackend) -> None:
+    backend: StageBackend = open_backend(tiny_model)
+    tokens = backend.tokenize("the cat and the hat")
+    assert tokens[0] == 1 and len(tokens) > 3
+    assert backend.detokenize(tokens[1:]).strip() == "the cat and the hat"
+    with pytest.raises(Refused):
+        backend.detokenize([9999])

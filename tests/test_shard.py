@@ -1,0 +1,140 @@
+"""The shard tool: layer ranges that load in llama.cpp, carried metadata, clear refusals."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from neuron_tai.architectures import refusal, swa_layers
+from neuron_tai.cli import main
+from neuron_tai.shard import (
+    KEY_LAYER_END,
+    KEY_LAYER_START,
+    KEY_SOURCE_BLOCKS,
+    ShardError,
+    open_reader,
+    read_model_layers,
+    stage_bounds,
+    write_shard,
+)
+from neuron_tai.testmodel import write_tiny_model
+
+
+def field(path: Path, key: str) -> object:
+    f = open_reader(path).get_field(key)
+    return None if f is None else f.contents()
+
+
+def test_shard_keeps_range_renumbered_with_source_metadata(tiny_model: Path, tmp_path: Path) -> None:
+    out = write_shard(tiny_model, 1, 3, tmp_path / "mid.gguf")
+    reader = open_reader(out)
+    names = {t.name for t in reader.tensors}
+    assert {"token_embd.weight", "output_norm.weight", "output.weight"} <= names
+    assert {n.split(".")[1] for n in names if n.startswith("blk.")} == {"0", "1"}
+    src = {t.name: t for t in open_reader(tiny_model).tensors}
+    dst = {t.name: t for t in reader.tensors}
+    assert np.array_equal(dst["blk.0.attn_q.weight"].data, src["blk.1.attn_q.weight"].data)
+    assert np.array_equal(dst["blk.1.ffn_down.weight"].data, src["blk.2.ffn_down.weight"].data)
+    assert field(out, "llama.block_count") == 2
+    assert (field(out, KEY_LAYER_START), field(out, KEY_LAYER_END), field(out, KEY_SOURCE_BLOCKS)) == (1, 3, 4)
+    assert field(out, "tokenizer.ggml.tokens") == field(tiny_model, "tokenizer.ggml.tokens")
+    layers = read_model_layers(out)
+    assert (layers.start, layers.end, layers.source_blocks, layers.name) == (1, 3, 4, "tiny-llama")
+
+
+def test_shard_of_a_shard_reports_source_positions(tiny_model: Path, tmp_path: Path) -> None:
+    mid = write_shard(tiny_model, 1, 4, tmp_path / "a.gguf")
+    inner = write_shard(mid, 1, 2, tmp_path / "b.gguf")
+    layers = read_model_layers(inner)
+    assert (layers.start, layers.end, layers.source_blocks) == (2, 3, 4)
+
+
+def test_sliding_window_pattern_is_written_per_shard(tiny_gemma: Path, tmp_path: Path) -> None:
+    # 6 layers, llama.cpp's gemma3 default: every 6th layer global -> [T, T, T, T, T, F]
+    assert field(tiny_gemma, "gemma3.attention.sliding_window_pattern") is None
+    tail = write_shard(tiny_gemma, 3, 6, tmp_path / "tail.gguf")
+    assert field(tail, "gemma3.attention.sliding_window_pattern") == [True, True, False]
+
+
+def test_per_layer_arrays_are_sliced(tmp_path: Path) -> None:
+    src = write_tiny_model(tmp_path / "m.gguf")
+    # Rewrite with a per-layer head count array, as some architectures have.
+    reader = open_reader(src)
+    w = gguf.GGUFWriter(str(tmp_path / "arr.gguf"), "llama")
+    for f in reader.fields.values():
+        if f.name.startswith("GGUF.") or f.name in ("general.architecture", "llama.attention.head_count_kv"):
+            continue
+        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(f.name, f.contents(), f.types[0], sub_type=sub)
+    w.add_key_value("llama.attention.head_count_kv", [2, 2, 1, 1], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.UINT32)
+    for t in reader.tensors:
+        w.add_tensor(t.name, np.asarray(t.data))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    out = write_shard(tmp_path / "arr.gguf", 1, 3, tmp_path / "arr-shard.gguf")
+    assert field(out, "llama.attention.head_count_kv") == [2, 1]
+
+
+@pytest.mark.parametrize(("a", "b"), [(0, 0), (3, 2), (-1, 2), (0, 5)])
+def test_bad_ranges_are_refused(tiny_model: Path, tmp_path: Path, a: int, b: int) -> None:
+    with pytest.raises(ShardError, match="layer range"):
+        write_shard(tiny_model, a, b, tmp_path / "x.gguf")
+    assert not list(tmp_path.iterdir())
+
+
+def test_missing_and_non_gguf_files_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ShardError, match="no such file"):
+        write_shard(tmp_path / "nope.gguf", 0, 1, tmp_path / "x.gguf")
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a model at all" * 10)
+    with pytest.raises(ShardError, match="not a GGUF file"):
+        write_shard(junk, 0, 1, tmp_path / "x.gguf")
+
+
+def test_architectures_without_layer_outputs_are_refused(tmp_path: Path) -> None:
+    path = tmp_path / "mamba.gguf"
+    w = gguf.GGUFWriter(str(path), "mamba")
+    w.add_block_count(4)
+    w.add_tensor("blk.0.ssm_in.weight", np.zeros((2, 2), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ShardError, match="recurrent state"):
+        write_shard(path, 0, 2, tmp_path / "x.gguf")
+    assert refusal("bert") is not None and "l_out" in str(refusal("some-future-arch"))
+    assert refusal("llama") is None and refusal("gemma3") is None
+
+
+def test_stage_bounds() -> None:
+    assert stage_bounds(18, stages=3) == [(0, 6), (6, 12), (12, 18)]
+    assert stage_bounds(4, stages=3) == [(0, 1), (1, 3), (3, 4)]
+    assert stage_bounds(18, split=[6, 12]) == [(0, 6), (6, 12), (12, 18)]
+    for bad in ([12, 6], [0, 6], [6, 18]):
+        with pytest.raises(ShardError):
+            stage_bounds(18, split=bad)
+    with pytest.raises(ShardError):
+        stage_bounds(4, stages=5)
+
+
+def test_swa_layers_matches_llama_cpp_rule() -> None:
+    assert swa_layers(7, 6, False) == [True] * 5 + [False, True]
+    assert swa_layers(5, 4, True) == [False, True, True, True, False]
+
+
+def test_cli_shard(tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["shard", str(tiny_model), "--split", "1,3", "-o", str(tmp_path / "out")]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert len(printed) == 3 and "layers 1:3" in printed[1]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "tiny-llama.layers-0-1.gguf",
+        "tiny-llama.layers-1-3.gguf",
+        "tiny-llama.layers-3-4.gguf",
+    ]
+    assert main(["shard", str(tiny_model), "--layers", "0:9", "-o", str(tmp_path / "x.gguf")]) == 2
+    assert "not within the model's 4 layers" in capsys.readouterr().err

@@ -1,0 +1,1 @@
+"""Wire protocol v1 (PROTOCOL.md) and the Trio adapter over ZeroMQ sockets."""
