@@ -103,6 +103,23 @@ class ContextConfig:
             raise ValueError("n_seq_max, n_ctx and n_threads must be >= 1")
 
 
+def context_params(config: ContextConfig) -> lc.llama_context_params:
+    """llama.cpp context parameters for `config` (also what a bare loop must use to compare)."""
+    params: lc.llama_context_params = lc.llama_context_default_params()
+    params.n_ctx = config.n_ctx
+    params.n_batch = config.n_batch
+    params.n_ubatch = config.n_ubatch
+    params.n_seq_max = config.n_seq_max
+    params.n_threads = params.n_threads_batch = config.n_threads
+    params.kv_unified = True  # rows come back in batch order only with a unified cache
+    params.swa_full = config.swa_full
+    params.type_k = params.type_v = KV_TYPES[config.kv_type][0]
+    if config.flash_attn is not None:
+        params.flash_attn_type = int(config.flash_attn)  # LLAMA_FLASH_ATTN_TYPE_{DISABLED,ENABLED}
+    params.no_perf = True
+    return params
+
+
 @dataclass(frozen=True, slots=True)
 class StageInfo:
     """What a stage serves (PROTOCOL.md `opened.stage`)."""
@@ -178,19 +195,7 @@ class StageBackend:
             arch=m.meta("general.architecture") or "",
         )
         capture = None if self.info.last else HiddenCapture(m.n_layer, m.n_embd, config.n_batch)
-        params = lc.llama_context_default_params()
-        params.n_ctx = config.n_ctx
-        params.n_batch = config.n_batch
-        params.n_ubatch = config.n_ubatch
-        params.n_seq_max = config.n_seq_max
-        params.n_threads = config.n_threads
-        params.n_threads_batch = config.n_threads
-        params.kv_unified = True  # rows come back in batch order only with a unified cache
-        params.swa_full = config.swa_full
-        params.type_k = params.type_v = KV_TYPES[config.kv_type][0]
-        if config.flash_attn is not None:
-            params.flash_attn_type = int(config.flash_attn)  # LLAMA_FLASH_ATTN_TYPE_{DISABLED,ENABLED}
-        params.no_perf = True
+        params = context_params(config)
         if capture is not None:
             params.cb_eval = capture.callback
         try:

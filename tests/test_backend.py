@@ -19,10 +19,10 @@ from engine.backend import (
     Segment,
     StageBackend,
 )
+from engine.local_chain import LocalChain
 from engine.sampling import SamplingParams
 from neuron_tai.shard import write_stages
 from tests.conftest import CONFIG
-from tests.pipeline import Pipeline
 
 OpenBackend = Any
 
@@ -40,8 +40,8 @@ def test_split_pipeline_is_bit_identical_to_whole_model(
     shards: str, tiny_model: Path, open_backend: OpenBackend, request: pytest.FixtureRequest
 ) -> None:
     paths: list[Path] = request.getfixturevalue(shards)
-    whole = Pipeline([open_backend(tiny_model)]).greedy(prompts(1, LENGTHS), steps=16)
-    split = Pipeline([open_backend(p) for p in paths]).greedy(prompts(1, LENGTHS), steps=16)
+    whole = LocalChain([open_backend(tiny_model)]).greedy(prompts(1, LENGTHS), steps=16)
+    split = LocalChain([open_backend(p) for p in paths]).greedy(prompts(1, LENGTHS), steps=16)
     for name in whole:
         assert len(split[name]) == 17
         for step, (a, b) in enumerate(zip(whole[name], split[name], strict=True)):
@@ -54,7 +54,7 @@ def test_outputs_do_not_depend_on_partners_contents(tiny_shards2: list[Path], op
     traces = []
     for partner_seed in (100, 200):
         partners = {f"p{k}": v for k, v in prompts(partner_seed, [4, 13, 6]).items()}
-        pipe = Pipeline([open_backend(p) for p in tiny_shards2])
+        pipe = LocalChain([open_backend(p) for p in tiny_shards2])
         traces.append(pipe.greedy({"me": mine, **partners}, steps=20)["me"])
     for step, (a, b) in enumerate(zip(*traces, strict=True)):
         assert np.array_equal(a, b), f"step {step}"
@@ -65,10 +65,10 @@ def test_outputs_do_not_depend_on_partners_contents(tiny_shards2: list[Path], op
 def test_batched_matches_solo_within_tolerance(tiny_model: Path, open_backend: OpenBackend) -> None:
     """F32 weights: batched vs solo differ by rounding only; greedy tokens identical."""
     all_prompts = prompts(3, [6, 14, 9, 3, 4, 11, 8, 7])
-    batched = Pipeline([open_backend(tiny_model)]).greedy(all_prompts, steps=32)
+    batched = LocalChain([open_backend(tiny_model)]).greedy(all_prompts, steps=32)
     worst = 0.0
     for name, prompt in all_prompts.items():
-        solo = Pipeline([open_backend(tiny_model, replace(CONFIG, n_seq_max=1))]).greedy({name: prompt}, steps=32)
+        solo = LocalChain([open_backend(tiny_model, replace(CONFIG, n_seq_max=1))]).greedy({name: prompt}, steps=32)
         for a, b in zip(batched[name], solo[name], strict=True):
             assert int(np.argmax(a)) == int(np.argmax(b))
             worst = max(worst, float(np.abs(a - b).max() / np.abs(b).max()))
@@ -246,8 +246,8 @@ def test_sliding_window_shards_are_bit_identical(tiny_gemma: Path, model_dir: Pa
     shards = write_stages(tiny_gemma, model_dir / "g3", [(0, 2), (2, 6)])
     config = ContextConfig(n_seq_max=4, n_ctx=1024, n_batch=64, n_ubatch=16)
     ps = prompts(13, [9, 30, 5])
-    whole = Pipeline([open_backend(tiny_gemma, config)]).greedy(ps, steps=16)
-    split = Pipeline([open_backend(p, config) for p in shards]).greedy(ps, steps=16)
+    whole = LocalChain([open_backend(tiny_gemma, config)]).greedy(ps, steps=16)
+    split = LocalChain([open_backend(p, config) for p in shards]).greedy(ps, steps=16)
     for name in whole:
         for a, b in zip(whole[name], split[name], strict=True):
             assert np.array_equal(a, b)

