@@ -23,4 +23,4 @@ lint: setup
 # Backend sweep on gemma-3-270m: backend vs bare llama_decode, and split exactness.
 bench-backend: setup
     {{py}} -m pip install -q -e ".[bench]"
-    {{py}} bench/backend_sweep.py
+    {{py}} bench/backend_sweep.py --steps 96 --reps 7

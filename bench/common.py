@@ -128,3 +128,8 @@ def _fmt(v: Any) -> str:
 
 def best_of(values: Sequence[float]) -> float:
     return float(np.max(values))
+
+
+def paired_ratio(ours: Sequence[float], theirs: Sequence[float]) -> float:
+    """Median of run-by-run ratios: robust to load on a shared machine drifting between runs."""
+    return float(np.median([a / b for a, b in zip(ours, theirs, strict=True)]))

@@ -11,6 +11,7 @@ worker thread at a time.
 from __future__ import annotations
 
 import enum
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -207,6 +208,8 @@ class StageBackend:
         self.context_log = lines
         self._buf = _Buffers(BatchBuffer(config.n_batch, 0 if self.info.first else m.n_embd), capture)
         self._seqs: dict[int, _Sequence] = {}
+        self.decode_seconds = 0.0  # time spent inside llama_decode, for overhead accounting
+        self.decode_calls = 0
 
     # -- sequences ---------------------------------------------------------------
 
@@ -324,7 +327,10 @@ class StageBackend:
             rows.append(r)
         if buf.capture is not None:
             buf.capture.reset()
+        started = time.perf_counter()
         rc = self.ctx.decode(buf.batch.view())
+        self.decode_seconds += time.perf_counter() - started
+        self.decode_calls += 1
         expected = sum(s.n for s in segments if s.output is Output.HIDDEN)
         if rc == 0 and buf.capture is not None and (buf.capture.overflow or buf.capture.rows != expected):
             rc = -100  # the capture did not see the rows it must: treat as fatal, roll back
