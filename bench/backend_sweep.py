@@ -3,7 +3,8 @@
 Aggregate decode tok/s of the stage backend at 1/2/4/8 sequences against a bare
 Python loop over llama_decode in the same run (interleaved repetitions in
 alternating order; tok/s best of each, ratio the median of paired ratios), and
-whether 2- and 3-stage splits reproduce the whole model's greedy tokens. Writes evidence/backend_sweep.json and prints a table.
+whether 2- and 3-stage splits reproduce the whole model's greedy tokens.
+Writes evidence/backend_sweep.json and prints a table.
 """
 
 from __future__ import annotations

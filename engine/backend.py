@@ -21,14 +21,10 @@ import numpy as np
 import numpy.typing as npt
 
 from engine.batch_buffer import BatchBuffer
+from engine.gguf_facts import KEY_LAYER_START, KEY_SOURCE_BLOCKS, KEY_SOURCE_MODEL
 from engine.hidden_capture import HiddenCapture
 from engine.llama_handles import LlamaContext, LlamaModel, SamplerChain, capture_llama_log
 from engine.sampling import GREEDY, SamplingParams
-
-KEY_SOURCE_MODEL = "neuron_tai.source_model"
-KEY_SOURCE_BLOCKS = "neuron_tai.source_block_count"
-KEY_LAYER_START = "neuron_tai.layer_start"
-
 
 # KV cache element types: name -> (ggml type id, bytes per element)
 KV_TYPES = {"f32": (0, 4), "f16": (1, 2)}
@@ -41,6 +37,7 @@ class Output(enum.Enum):
     HIDDEN = "hidden"  # every row's hidden state (non-last stages)
     LOGITS = "logits"  # the last row's logits (last stage)
     TOKEN = "token"  # a token sampled from the last row (last stage)
+    PAD = "pad"  # padding rows: computed as outputs (fixed batch shape), nothing returned
 
 
 class Refusal(enum.Enum):
@@ -119,6 +116,11 @@ def context_params(config: ContextConfig) -> lc.llama_context_params:
         params.flash_attn_type = int(config.flash_attn)  # LLAMA_FLASH_ATTN_TYPE_{DISABLED,ENABLED}
     params.no_perf = True
     return params
+
+
+def _logged_mib(line: str) -> int:
+    """Bytes from a llama.cpp log line ending in '= <x> MiB'."""
+    return int(float(line.rsplit("=", 1)[1].split(maxsplit=1)[0]) * 2**20)
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,6 +213,15 @@ class StageBackend:
         self.decode_seconds = 0.0  # time spent inside llama_decode, for overhead accounting
         self.decode_calls = 0
 
+    @property
+    def compute_buffer_bytes(self) -> int:
+        """llama.cpp's compute buffer for this context, as it logged it at creation."""
+        return sum(_logged_mib(line) for line in self.context_log if "compute buffer size" in line)
+
+    def output_buffer_bytes(self, output_rows: int) -> int:
+        """The logits buffer llama.cpp grows to when a batch asks for `output_rows` outputs."""
+        return 4 * self.info.n_vocab * max(output_rows, self.config.n_seq_max)
+
     # -- sequences ---------------------------------------------------------------
 
     def open_sequence(self, sampling: SamplingParams = GREEDY) -> int:
@@ -278,7 +289,7 @@ class StageBackend:
 
     def validate(self, segments: Sequence[Segment]) -> None:
         """Refuse a batch that llama.cpp must not see; changes nothing."""
-        info, seen, total = self.info, set(), 0
+        seen, total = set(), 0
         for s in segments:
             state = self._known(s.seq)
             if s.seq in seen:
@@ -290,28 +301,33 @@ class StageBackend:
                 raise Refused(
                     Refusal.POSITION, f"sequence {s.seq}: segment starts at {s.pos}, sequence holds {state.length}"
                 )
-            if (s.tokens is None) == (s.hidden is None):
-                raise Refused(Refusal.BAD_INPUT, "a segment carries either tokens or hidden states")
-            if (info.first and s.tokens is None) or (not info.first and s.hidden is None):
-                want = "token ids" if info.first else "hidden states"
-                raise Refused(Refusal.WRONG_STAGE, f"this stage (layers {info.layers}) takes {want}")
-            if s.output in (Output.LOGITS, Output.TOKEN) and not info.last:
-                raise Refused(Refusal.WRONG_STAGE, f"only a last stage gives {s.output.value}")
-            if s.output is Output.HIDDEN and info.last:
-                raise Refused(Refusal.WRONG_STAGE, "a last stage gives logits or tokens, not hidden states")
-            if s.tokens is not None:
-                if s.tokens.size and (int(s.tokens.min()) < 0 or int(s.tokens.max()) >= info.n_vocab):
-                    raise Refused(Refusal.BAD_INPUT, f"token ids must be in [0, {info.n_vocab})")
-            elif s.hidden is not None:
-                if s.hidden.ndim != 2 or s.hidden.shape[1] != info.n_embd:
-                    raise Refused(
-                        Refusal.BAD_INPUT, f"hidden states must be [n, {info.n_embd}], got {list(s.hidden.shape)}"
-                    )
-                if not np.isfinite(s.hidden).all():
-                    raise Refused(Refusal.BAD_INPUT, "hidden states must be finite (no NaN or Inf)")
+            self.check_payload(s.tokens, s.hidden, s.output)
             total += s.n
         if total > self.config.n_batch:
             raise Refused(Refusal.TOO_LARGE, f"batch of {total} rows exceeds n_batch {self.config.n_batch}")
+
+    def check_payload(
+        self, tokens: npt.NDArray[np.int32] | None, hidden: npt.NDArray[np.float32] | None, output: Output
+    ) -> None:
+        """Refuse input or output this stage cannot take, before it can share a batch."""
+        info = self.info
+        if (tokens is None) == (hidden is None):
+            raise Refused(Refusal.BAD_INPUT, "a segment carries either tokens or hidden states")
+        if (info.first and tokens is None) or (not info.first and hidden is None):
+            want = "token ids" if info.first else "hidden states"
+            raise Refused(Refusal.WRONG_STAGE, f"this stage (layers {info.layers[0]}-{info.layers[1]}) takes {want}")
+        if output in (Output.LOGITS, Output.TOKEN) and not info.last:
+            raise Refused(Refusal.WRONG_STAGE, f"only a last stage gives {output.value}; this one gives hidden")
+        if output is Output.HIDDEN and info.last:
+            raise Refused(Refusal.WRONG_STAGE, "a last stage gives logits or tokens, not hidden states")
+        if tokens is not None:
+            if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= info.n_vocab):
+                raise Refused(Refusal.BAD_INPUT, f"token ids must be in [0, {info.n_vocab})")
+        elif hidden is not None:
+            if hidden.ndim != 2 or hidden.shape[1] != info.n_embd:
+                raise Refused(Refusal.BAD_INPUT, f"hidden states must be [n, {info.n_embd}], got {list(hidden.shape)}")
+            if not np.isfinite(hidden).all():
+                raise Refused(Refusal.BAD_INPUT, "hidden states must be finite (no NaN or Inf)")
 
     def decode(self, segments: Sequence[Segment]) -> list[SegmentResult]:
         """Run one batch; returns one result per segment, in order."""
@@ -320,7 +336,7 @@ class StageBackend:
         buf.batch.clear()
         rows: list[range] = []
         for s in segments:
-            outputs = s.output is Output.HIDDEN
+            outputs = s.output in (Output.HIDDEN, Output.PAD)
             r = buf.batch.add(s.seq, s.pos, tokens=s.tokens, hidden=s.hidden, outputs=outputs)
             if s.output in (Output.LOGITS, Output.TOKEN):
                 buf.batch.logits[r.stop - 1] = 1
@@ -331,7 +347,7 @@ class StageBackend:
         rc = self.ctx.decode(buf.batch.view())
         self.decode_seconds += time.perf_counter() - started
         self.decode_calls += 1
-        expected = sum(s.n for s in segments if s.output is Output.HIDDEN)
+        expected = sum(s.n for s in segments if s.output in (Output.HIDDEN, Output.PAD))
         if rc == 0 and buf.capture is not None and (buf.capture.overflow or buf.capture.rows != expected):
             rc = -100  # the capture did not see the rows it must: treat as fatal, roll back
         if rc != 0:
@@ -351,6 +367,9 @@ class StageBackend:
                 hidden = self._buf.capture.buffer[captured : captured + s.n].copy()
                 captured += s.n
                 results.append(SegmentResult(s.seq, hidden=hidden))
+            elif s.output is Output.PAD:
+                captured += s.n if self._buf.capture is not None else 0
+                results.append(SegmentResult(s.seq))
             elif s.output is Output.LOGITS:
                 row = np.ctypeslib.as_array(self.ctx.logits_row(r.stop - 1), shape=(self.info.n_vocab,))
                 results.append(SegmentResult(s.seq, logits=row.copy()))

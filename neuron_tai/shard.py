@@ -20,13 +20,8 @@ from typing import Any
 
 import gguf
 
-from neuron_tai.architectures import SWA_DEFAULT_PATTERN, refusal, swa_layers
-
-# Metadata keys of our own, so a node can report where its layers came from.
-KEY_SOURCE_MODEL = "neuron_tai.source_model"
-KEY_SOURCE_BLOCKS = "neuron_tai.source_block_count"
-KEY_LAYER_START = "neuron_tai.layer_start"
-KEY_LAYER_END = "neuron_tai.layer_end"
+from engine.architectures import refusal
+from engine.gguf_facts import KEY_LAYER_END, KEY_LAYER_START, KEY_SOURCE_BLOCKS, KEY_SOURCE_MODEL, swa_pattern
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
@@ -86,21 +81,6 @@ def read_model_layers(path: Path) -> ModelLayers:
     return read_layers(open_reader(path), path)
 
 
-def _swa_pattern(reader: gguf.GGUFReader, layers: ModelLayers) -> list[bool] | None:
-    """The file's per-layer sliding-window flags, as llama.cpp would derive them."""
-    arch = layers.arch
-    if arch not in SWA_DEFAULT_PATTERN or reader.get_field(f"{arch}.attention.sliding_window") is None:
-        return None
-    field = reader.get_field(f"{arch}.attention.sliding_window_pattern")
-    period, dense_first = SWA_DEFAULT_PATTERN[arch]
-    if field is not None:
-        value = field.contents()
-        if isinstance(value, list):
-            return [bool(v) for v in value]
-        period = int(value)
-    return swa_layers(layers.block_count, period, dense_first)
-
-
 def write_shard(src: Path, start: int, end: int, out: Path) -> Path:
     """Write layers [start, end) of `src` (indices within `src`) to `out`."""
     reader = open_reader(src)
@@ -114,7 +94,7 @@ def write_shard(src: Path, start: int, end: int, out: Path) -> Path:
             f"(need 0 <= A < B <= {layers.block_count})"
         )
     arch, n_keep = layers.arch, end - start
-    swa = _swa_pattern(reader, layers)
+    swa = swa_pattern(reader, layers.arch, layers.block_count)
     overrides: dict[str, Any] = {
         f"{arch}.block_count": (n_keep, gguf.GGUFValueType.UINT32),
         KEY_SOURCE_MODEL: (layers.name, gguf.GGUFValueType.STRING),

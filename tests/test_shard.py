@@ -8,12 +8,10 @@ import gguf
 import numpy as np
 import pytest
 
-from neuron_tai.architectures import refusal, swa_layers
+from engine.architectures import refusal, swa_layers
+from engine.gguf_facts import KEY_LAYER_END, KEY_LAYER_START, KEY_SOURCE_BLOCKS
 from neuron_tai.cli import main
 from neuron_tai.shard import (
-    KEY_LAYER_END,
-    KEY_LAYER_START,
-    KEY_SOURCE_BLOCKS,
     ShardError,
     open_reader,
     read_model_layers,

@@ -1,0 +1,535 @@
+"""The engine: one Trio task owns the scheduler and the backend and runs the batch loop.
+
+Requests arrive through a bounded inbox (`submit` never blocks: a full inbox is
+`busy` at once). Between decode steps the engine task drains the inbox, admits and
+expires waiting opens, plans the next iteration, and runs each llama_decode call in
+a worker thread under a CapacityLimiter(1). Nothing else touches the backend, so a
+decode never races a rewind or a close.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import trio
+
+from engine.backend import (
+    KV_TYPES,
+    ContextConfig,
+    DecodeFailed,
+    Output,
+    Refused,
+    Segment,
+    SegmentResult,
+    StageBackend,
+)
+from engine.budgets import BudgetError, Budgets, KvShape, Limits, kv_layout
+from engine.gguf_facts import ModelFacts, read_facts
+from engine.messages import (
+    Closed,
+    CloseRequest,
+    DropOwner,
+    Failure,
+    Opened,
+    OpenRequest,
+    ReplyTo,
+    Request,
+    Result,
+    StepDone,
+    StepRequest,
+)
+from engine.scheduler import Call, Plan, Reason, Rejection, Scheduler, SchedulerConfig, Session, Waiter
+from engine.telemetry import Telemetry
+
+log = logging.getLogger("neuron_tai.engine")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: Path
+    max_sessions: int = 8
+    kv_cells: int = 4096
+    n_batch: int = 512
+    n_ubatch: int = 512
+    n_threads: int = 2
+    kv_type: str = "f16"
+    flash_attn: bool | None = None
+    swa_full: bool = False
+    max_prefill_tokens: int = 256
+    max_step_tokens: int = 512
+    queue_budget_bytes: int = 64 * 2**20
+    inbox_size: int = 256
+    max_waiting_opens: int = 64
+    batch_invariant: bool = False
+    pad_rows: int = 8
+    idle_timeout_s: float | None = None
+    drain_timeout_s: float = 10.0
+    limits: Limits = field(default_factory=Limits)
+    record_iterations: bool = False
+    # After answering a step, wait this long (at most 10% of the recent step time) for that
+    # session's next step, so sessions stay in phase and share batches instead of drifting apart.
+    linger_ms: float = 2.0
+
+    def context(self) -> ContextConfig:
+        return ContextConfig(
+            n_seq_max=self.max_sessions + (1 if self.batch_invariant else 0),
+            n_ctx=self.kv_cells,
+            n_batch=self.n_batch,
+            n_ubatch=self.n_ubatch,
+            n_threads=self.n_threads,
+            swa_full=self.swa_full,
+            kv_type=self.kv_type,
+            flash_attn=self.flash_attn,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class IterationRecord:
+    """One llama_decode call of the loop: (session, pos, rows, is_decode, iterations waited) per chunk."""
+
+    iteration: int
+    chunks: tuple[tuple[Any, int, int, bool, int], ...]
+    pad_rows: int
+
+
+@dataclass(slots=True)
+class _Work:
+    """A step's request, where its reply goes, and its outputs so far."""
+
+    request: StepRequest
+    reply: ReplyTo
+    hidden: list[np.ndarray] = field(default_factory=list)
+
+
+def plan_budgets(config: EngineConfig, facts: ModelFacts) -> tuple[Budgets, int]:
+    """Weights and KV from the model's shape, before llama.cpp allocates; raises BudgetError."""
+    ctx = config.context()
+    shape = KvShape(facts.k_widths, facts.v_widths, facts.swa, facts.n_swa)
+    layout = kv_layout(shape, ctx.n_ctx, ctx.n_seq_max, ctx.n_ubatch, KV_TYPES[ctx.kv_type][1], ctx.swa_full)
+    budgets = Budgets(facts.weights_bytes, layout.bytes, layout.cells, 0, config.queue_budget_bytes)
+    problems = budgets.violations(config.limits)
+    if problems:
+        raise BudgetError("configuration does not fit: " + "; ".join(problems))
+    return budgets, layout.cells
+
+
+class Engine:
+    """Sessions of one stage, batched continuously. Use `open_engine`."""
+
+    def __init__(self, config: EngineConfig, backend: StageBackend, budgets: Budgets, cells: int) -> None:
+        self.config = config
+        self.backend = backend
+        self.info = backend.info
+        pad_reserve = config.pad_rows if config.batch_invariant else 0
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_sessions=config.max_sessions,
+                kv_cells=cells - pad_reserve,
+                n_batch=config.n_batch,
+                max_prefill_tokens=config.max_prefill_tokens,
+                max_step_tokens=min(config.max_step_tokens, cells),
+                queue_budget_bytes=config.queue_budget_bytes,
+                max_waiting_opens=config.max_waiting_opens,
+                batch_invariant=config.batch_invariant,
+                pad_rows=config.pad_rows,
+            )
+        )
+        output_rows = config.n_batch if (not self.info.last or config.batch_invariant) else config.max_sessions
+        scratch = backend.compute_buffer_bytes + backend.output_buffer_bytes(output_rows)
+        self.budgets = Budgets(budgets.weights_bytes, budgets.kv_bytes, cells, scratch, config.queue_budget_bytes)
+        self.telemetry = Telemetry()
+        self.iterations: list[IterationRecord] = []
+        self.pad_seq = backend.open_sequence() if config.batch_invariant else None
+        self._inbox_send, self._inbox = trio.open_memory_channel[tuple[Request, ReplyTo]](config.inbox_size)
+        self._limiter = trio.CapacityLimiter(1)
+        self._waiter_replies: dict[int, tuple[OpenRequest, ReplyTo]] = {}
+        self._kv_used_peak = 0
+        self.draining = False
+        self.stopped = trio.Event()
+        self._idle_scope: trio.CancelScope | None = None
+        self._coming_back: set[Any] = set()  # answered last iteration, next step not yet here
+
+    # -- the API other tasks use ----------------------------------------------------
+
+    def submit(self, request: Request, reply: ReplyTo) -> Failure | None:
+        """Queue a request without blocking; a Failure is the immediate answer when it cannot be queued."""
+        if self.draining and not isinstance(request, CloseRequest | DropOwner):
+            return self._count(Failure("shutting_down", "the node is draining"))
+        try:
+            self._inbox_send.send_nowait((request, reply))
+        except trio.WouldBlock:
+            return self._count(Failure("busy", "the engine's inbox is full", self.scheduler._busy_retry()))
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            return self._count(Failure("shutting_down", "the node has stopped"))
+        return None
+
+    async def request(self, request: Request) -> Result:
+        """Submit and wait for the answer. Cancelling the wait counts as the requester leaving."""
+        send, recv = trio.open_memory_channel[Result](1)
+
+        def deliver(result: Result) -> bool:
+            try:
+                send.send_nowait(result)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock):
+                return False
+            return True
+
+        refused = self.submit(request, deliver)
+        if refused is not None:
+            return refused
+        with recv:
+            return await recv.receive()
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        return self.backend.tokenize(text, add_special)
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return self.backend.detokenize(tokens)
+
+    def begin_shutdown(self) -> None:
+        """Refuse new work; in-flight steps still complete."""
+        if self.draining:
+            return
+        self.draining = True
+        if self._idle_scope is not None:
+            self._idle_scope.cancel()  # wake the loop if it is waiting for work
+
+    # -- the loop -------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        try:
+            while True:
+                self._drain_inbox()
+                self._housekeeping()
+                if self.draining:
+                    for waiter, why in self.scheduler.begin_shutdown(_now_ms()):
+                        self._reject_waiter(waiter, why)
+                    if self.scheduler.pending_steps == 0:
+                        return
+                plan = self.scheduler.plan()
+                if plan is None:
+                    await self._wait_for_work()
+                    continue
+                for call in plan.calls:
+                    await self._execute(Plan(plan.iteration, (call,)))
+                await self._linger()
+        finally:
+            self._fail_everything_pending()
+            self.stopped.set()
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                request, reply = self._inbox.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel):
+                return
+            self._handle(request, reply)
+
+    async def _wait_for_work(self) -> None:
+        deadlines = [d for d in (self.scheduler.next_deadline_ms(), self._idle_deadline_ms()) if d is not None]
+        deadline = trio.current_time() + (min(deadlines) - _now_ms()) / 1000 if deadlines else math.inf
+        with trio.CancelScope(deadline=deadline) as self._idle_scope:
+            request, reply = await self._inbox.receive()
+            self._handle(request, reply)
+        self._idle_scope = None
+
+    async def _linger(self) -> None:
+        """Give the sessions just answered a moment to send their next step."""
+        await trio.lowlevel.checkpoint()  # in-process requesters answer within one checkpoint
+        self._drain_inbox()
+        limit = min(self.config.linger_ms, 0.1 * self.scheduler.estimates.step_ms) / 1000
+        if not self._coming_back or limit <= 0:
+            return
+        with trio.move_on_after(limit):
+            while self._coming_back:
+                request, reply = await self._inbox.receive()
+                self._handle(request, reply)
+        self._coming_back.clear()
+
+    def _housekeeping(self) -> None:
+        now = _now_ms()
+        admitted, expired = self.scheduler.poll_waiting(now)
+        for waiter, session in admitted:
+            request, reply = self._waiter_replies.pop(id(waiter))
+            self._bind_and_reply(request, session, reply)
+        for waiter, why in expired:
+            self._reject_waiter(waiter, why)
+        if self.config.idle_timeout_s is not None:
+            for key in self.scheduler.idle_sessions(now, self.config.idle_timeout_s * 1000):
+                log.info("closing idle session %r", key[1])
+                self._close(key, "the session was idle for too long")
+
+    def _idle_deadline_ms(self) -> float | None:
+        if self.config.idle_timeout_s is None or not self.scheduler.sessions:
+            return None
+        oldest = min(s.last_active_ms for s in self.scheduler.sessions.values())
+        return oldest + self.config.idle_timeout_s * 1000
+
+    # -- requests ---------------------------------------------------------------------
+
+    def _handle(self, request: Request, reply: ReplyTo) -> None:
+        if isinstance(request, OpenRequest):
+            self._open(request, reply)
+        elif isinstance(request, StepRequest):
+            self._step(request, reply)
+        elif isinstance(request, CloseRequest):
+            existed = self._close((request.owner, request.session), "the session was closed")
+            reply(Closed(request.session, existed))
+        else:
+            for key in [k for k in self.scheduler.sessions if k[0] == request.owner]:
+                self._close(key, "the session's connection is gone")
+            for waiter in [w for w in self.scheduler.waiting if w.key[0] == request.owner]:
+                self.scheduler.waiting.remove(waiter)
+                self._waiter_replies.pop(id(waiter), None)
+
+    def _open(self, request: OpenRequest, reply: ReplyTo) -> None:
+        if request.max_tokens < 1:
+            reply(self._count(Failure("bad_request", "max_tokens must be >= 1")))
+            return
+        key = (request.owner, request.session)
+        outcome = self.scheduler.request_open(key, request.max_tokens, request.wait_ms, _now_ms())
+        if isinstance(outcome, Rejection):
+            self._reject(outcome, reply)
+        elif isinstance(outcome, Waiter):
+            self._waiter_replies[id(outcome)] = (request, reply)
+        else:
+            self._bind_and_reply(request, outcome, reply)
+
+    def _bind_and_reply(self, request: OpenRequest, session: Session, reply: ReplyTo) -> None:
+        session.seq = self.backend.open_sequence(request.sampling)
+        self.telemetry.admissions_total += 1
+        if not reply(Opened(request.session, session.max_tokens)):
+            self._close(session.key, "the requester is gone")
+
+    def _reject(self, why: Rejection, reply: ReplyTo) -> None:
+        if why.reason in (Reason.KV_BUDGET, Reason.SESSION_LIMIT, Reason.BUSY, Reason.SHUTTING_DOWN):
+            self.telemetry.rejected[why.reason.value] += 1
+        reply(self._count(Failure(why.reason.value, why.message, why.retry_after_ms)))
+
+    def _reject_waiter(self, waiter: Waiter, why: Rejection) -> None:
+        request_reply = self._waiter_replies.pop(id(waiter), None)
+        if request_reply is not None:
+            self._reject(why, request_reply[1])
+
+    def _step(self, request: StepRequest, reply: ReplyTo) -> None:
+        key = (request.owner, request.session)
+        session = self.scheduler.sessions.get(key)
+        if session is None:
+            reply(self._count(Failure("unknown_session", "no such open session on this connection")))
+            return
+        try:
+            self.backend.check_payload(request.tokens, request.hidden, request.out)
+        except Refused as exc:
+            reply(self._count(Failure(exc.reason.value, str(exc))))
+            return
+        if request.n < 1:
+            reply(self._count(Failure("bad_request", "a step needs n >= 1")))
+            return
+        rewind = request.pos < session.length and session.step is None
+        if rewind and not self.backend.can_rewind(session.seq, request.pos):
+            reply(self._count(Failure("position", f"cannot rewind to {request.pos}: outside the sliding window")))
+            return
+        self._coming_back.discard(key)
+        work = _Work(request, reply)
+        outcome = self.scheduler.submit(key, request.pos, request.n, request.nbytes, _now_ms(), work)
+        if isinstance(outcome, Rejection):
+            self._reject(outcome, reply)
+            return
+        if rewind:
+            self.backend.rewind(session.seq, request.pos)
+
+    def _close(self, key: Any, why: str) -> bool:
+        self._coming_back.discard(key)
+        session = self.scheduler.close(key, _now_ms())
+        if session is None:
+            return False
+        self.backend.close_sequence(session.seq)
+        if session.step is not None:
+            work: _Work = session.step.payload  # type: ignore[assignment]
+            work.reply(self._count(Failure("unknown_session", f"{why} before this step ran")))
+        return True
+
+    # -- running a call ----------------------------------------------------------------
+
+    def _segments(self, call: Call) -> list[Segment]:
+        segments = []
+        for chunk in call.chunks:
+            work: _Work = self.scheduler.sessions[chunk.key].step.payload  # type: ignore[union-attr,assignment]
+            req = work.request
+            rows = slice(chunk.offset, chunk.offset + chunk.count)
+            out = req.out if chunk.completes or req.out is Output.HIDDEN else Output.NONE
+            tokens = None if req.tokens is None else req.tokens[rows]
+            hidden = None if req.hidden is None else req.hidden[rows]
+            segments.append(Segment(chunk.seq, chunk.pos, tokens, hidden, out))
+        if call.pad_rows and self.pad_seq is not None:
+            n = call.pad_rows
+            if self.info.first:
+                segments.append(Segment(self.pad_seq, 0, tokens=np.zeros(n, np.int32), output=Output.PAD))
+            else:
+                pad = np.zeros((n, self.info.n_embd), np.float32)
+                segments.append(Segment(self.pad_seq, 0, hidden=pad, output=Output.PAD))
+        return segments
+
+    def _decode_in_thread(self, segments: list[Segment]) -> list[SegmentResult]:
+        try:
+            return self.backend.decode(segments)
+        finally:
+            if self.pad_seq is not None:
+                self.backend.rewind(self.pad_seq, 0)
+
+    async def _execute(self, plan: Plan) -> None:
+        call = plan.calls[0]
+        segments = self._segments(call)
+        started = time.perf_counter()
+        try:
+            results = await trio.to_thread.run_sync(self._decode_in_thread, segments, limiter=self._limiter)
+        except (DecodeFailed, Refused, RuntimeError, ValueError) as exc:
+            log.error("batch failed: %s", exc)
+            self._fail(plan, str(exc))
+            return
+        seconds = time.perf_counter() - started
+        now = _now_ms()
+        if self.config.record_iterations:
+            self.iterations.append(self._record(plan, call))
+        decode_rows = sum(c.count for c in call.chunks if self._is_decode(c.key))
+        prefill_rows = sum(c.count for c in call.chunks) - decode_rows
+        self.telemetry.record_batch(time.monotonic(), call.rows, prefill_rows, decode_rows, seconds)
+        finished: list[tuple[_Work, SegmentResult]] = []
+        for chunk, result in zip(call.chunks, results, strict=False):
+            work: _Work = self.scheduler.sessions[chunk.key].step.payload  # type: ignore[union-attr,assignment]
+            if result.hidden is not None:
+                work.hidden.append(result.hidden)
+            if chunk.completes:
+                finished.append((work, result))
+        self.scheduler.commit(plan, now, seconds * 1000)
+        for work, result in finished:
+            self._coming_back.add((work.request.owner, work.request.session))
+            if not work.reply(self._done(work, result)):
+                # The requester is gone: nobody will read this session again.
+                self._close((work.request.owner, work.request.session), "the requester is gone")
+
+    def _is_decode(self, key: Any) -> bool:
+        step = self.scheduler.sessions[key].step
+        return step is not None and step.is_decode
+
+    def _record(self, plan: Plan, call: Call) -> IterationRecord:
+        chunks = []
+        for c in call.chunks:
+            step = self.scheduler.sessions[c.key].step
+            assert step is not None
+            chunks.append((c.key, c.pos, c.count, step.is_decode, plan.iteration - step.submitted_iteration))
+        return IterationRecord(plan.iteration, tuple(chunks), call.pad_rows)
+
+    @staticmethod
+    def _done(work: _Work, last: SegmentResult) -> StepDone:
+        req = work.request
+        hidden = None
+        if req.out is Output.HIDDEN:
+            hidden = work.hidden[0] if len(work.hidden) == 1 else np.concatenate(work.hidden)
+        return StepDone(req.session, req.pos, req.n, req.out, hidden, last.logits, last.token)
+
+    def _fail(self, plan: Plan, message: str) -> None:
+        for step in self.scheduler.fail(plan):
+            session = self.scheduler.sessions[step.key]
+            work: _Work = step.payload  # type: ignore[assignment]
+            if self.backend.can_rewind(session.seq, step.pos):
+                self.backend.rewind(session.seq, step.pos)
+                work.reply(self._count(Failure("internal", f"the backend failed; session rolled back: {message}")))
+            else:
+                self._close(step.key, "the backend failed")
+                work.reply(self._count(Failure("internal", f"the backend failed; session closed: {message}")))
+
+    def _fail_everything_pending(self) -> None:
+        for session in self.scheduler.sessions.values():
+            if session.step is not None:
+                work: _Work = session.step.payload  # type: ignore[assignment]
+                session.step = None
+                work.reply(self._count(Failure("shutting_down", "the node stopped before this step ran")))
+        for waiter in list(self.scheduler.waiting):
+            self._reject_waiter(waiter, Rejection(Reason.SHUTTING_DOWN, "the node stopped"))
+        self._inbox_send.close()
+        self._drain_closed_inbox()
+
+    def _drain_closed_inbox(self) -> None:
+        while True:
+            try:
+                request, reply = self._inbox.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel):
+                return
+            if not isinstance(request, DropOwner):
+                reply(self._count(Failure("shutting_down", "the node stopped")))
+
+    def _count(self, failure: Failure) -> Failure:
+        self.telemetry.errors[failure.code] += 1
+        return failure
+
+    # -- telemetry ------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        s, t, b = self.scheduler, self.telemetry, self.budgets
+        now = time.monotonic()
+        used = sum(self.backend.length(x.seq) for x in s.sessions.values() if x.seq >= 0)
+        return {
+            "sessions_active": len(s.sessions),
+            "sessions_max": self.config.max_sessions,
+            "sessions_waiting": len(s.waiting),
+            "admissions_total": t.admissions_total,
+            "admissions_rejected_total": dict(t.rejected),
+            "queue_depth": s.pending_steps,
+            "queue_bytes": s.queued_bytes,
+            "queue_budget_bytes": self.config.queue_budget_bytes,
+            "batches_total": t.batches_total,
+            "batch_rows_last": t.batch_rows_last,
+            "batch_occupancy": round(t.occupancy(self.config.n_batch), 6),
+            "kv_cells_used": used,
+            "kv_cells_reserved": s.kv_reserved,
+            "kv_cells_total": s.config.kv_cells,
+            "kv_pressure": round(s.kv_reserved / s.config.kv_cells, 6),
+            "prefill_tokens_total": t.prefill_tokens_total,
+            "decode_tokens_total": t.decode_tokens_total,
+            "prefill_tokens_per_s": round(t.prefill_window.rate(now), 3),
+            "decode_tokens_per_s": round(t.decode_window.rate(now), 3),
+            "weights_bytes": b.weights_bytes,
+            "kv_budget_bytes": b.kv_bytes,
+            "scratch_bytes": b.scratch_bytes,
+            "step_seconds": t.step_seconds.snapshot(),
+            "errors_total": dict(t.errors),
+            "draining": self.draining,
+        }
+
+
+def _now_ms() -> float:
+    return time.monotonic() * 1000
+
+
+@asynccontextmanager
+async def open_engine(config: EngineConfig) -> AsyncIterator[Engine]:
+    """Load the stage, run its batch loop in a nursery, and drain it on exit."""
+    facts = read_facts(config.model)
+    budgets, cells = plan_budgets(config, facts)
+    backend = await trio.to_thread.run_sync(StageBackend, config.model, config.context())
+    try:
+        engine = Engine(config, backend, budgets, cells)
+        problems = engine.budgets.violations(config.limits)
+        if problems:
+            raise BudgetError("configuration does not fit: " + "; ".join(problems))
+        async with trio.open_nursery() as nursery:
+            await nursery.start(engine.run)
+            try:
+                yield engine
+            finally:
+                engine.begin_shutdown()
+                with trio.move_on_after(config.drain_timeout_s):
+                    await engine.stopped.wait()
+                nursery.cancel_scope.cancel()
+    finally:
+        backend.close()

@@ -1,0 +1,95 @@
+"""What the engine is asked and what it answers: plain frozen data, no transport, no Trio."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from engine.backend import Output
+from engine.sampling import GREEDY, SamplingParams
+
+Owner = Hashable  # the connection a session belongs to
+
+
+@dataclass(frozen=True, slots=True)
+class OpenRequest:
+    owner: Owner
+    session: str
+    max_tokens: int
+    sampling: SamplingParams = GREEDY
+    wait_ms: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class StepRequest:
+    owner: Owner
+    session: str
+    pos: int
+    out: Output
+    tokens: npt.NDArray[np.int32] | None = None
+    hidden: npt.NDArray[np.float32] | None = None
+
+    @property
+    def n(self) -> int:
+        data = self.tokens if self.tokens is not None else self.hidden
+        return 0 if data is None else len(data)
+
+    @property
+    def nbytes(self) -> int:
+        data = self.tokens if self.tokens is not None else self.hidden
+        return 0 if data is None else int(data.nbytes)
+
+
+@dataclass(frozen=True, slots=True)
+class CloseRequest:
+    owner: Owner
+    session: str
+
+
+@dataclass(frozen=True, slots=True)
+class DropOwner:
+    """The owner's connection is gone: free all its sessions."""
+
+    owner: Owner
+
+
+Request = OpenRequest | StepRequest | CloseRequest | DropOwner
+
+
+@dataclass(frozen=True, slots=True)
+class Opened:
+    session: str
+    kv_reserved: int
+
+
+@dataclass(frozen=True, slots=True)
+class StepDone:
+    session: str
+    pos: int
+    n: int
+    out: Output
+    hidden: npt.NDArray[np.float32] | None = None
+    logits: npt.NDArray[np.float32] | None = None
+    token: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Closed:
+    session: str
+    existed: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    code: str  # a PROTOCOL.md error code
+    message: str
+    retry_after_ms: int | None = None
+
+
+Result = Opened | StepDone | Closed | Failure
+
+# Delivers a result to whoever asked; False when they are gone (their session is then freed).
+ReplyTo = Callable[[Result], bool]

@@ -1,0 +1,379 @@
+"""Continuous-batching scheduler: admission, one step per session, decode-first plans.
+
+Pure (no Trio, no llama.cpp): the engine feeds it requests and the clock, runs the
+plans it returns, and reports back. The policy (DESIGN.md):
+
+- Decode first: every session with a ready single-token step gets a row, FCFS by
+  step arrival. Prefill chunks fill the rest of the batch, at most
+  `max_prefill_tokens` per iteration, round-robin across prefilling sessions; a
+  step larger than that is split across iterations and answered once complete.
+- One outstanding step per session; another is `busy`.
+- `open` reserves KV cells for `max_tokens` up front (never over-committed), so no
+  preemption is ever needed. When a slot or cells are short, the request waits up
+  to `wait_ms` in a bounded FIFO queue, then is rejected with a retry estimate.
+- Queued payload bytes are bounded; over the budget a step is `busy` at once.
+- Batch-invariant mode: decode rows are padded to a multiple of `pad_rows` and each
+  prefill chunk runs in a call of its own with boundaries fixed by position, so a
+  session's batch shapes do not depend on what else is being served.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+SessionKey = Any  # any hashable; the engine uses (connection, session id)
+
+
+class Reason(enum.StrEnum):
+    """Protocol error codes the scheduler decides."""
+
+    BUSY = "busy"
+    KV_BUDGET = "kv_budget"
+    SESSION_LIMIT = "session_limit"
+    UNKNOWN_SESSION = "unknown_session"
+    SESSION_EXISTS = "session_exists"
+    POSITION = "position"
+    TOO_LARGE = "too_large"
+    SHUTTING_DOWN = "shutting_down"
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    reason: Reason
+    message: str
+    retry_after_ms: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_sessions: int
+    kv_cells: int  # cells sessions may reserve in total
+    n_batch: int  # rows one llama_decode call may carry
+    max_prefill_tokens: int  # prefill rows per iteration (and the invariant chunk size)
+    max_step_tokens: int
+    queue_budget_bytes: int
+    max_waiting_opens: int = 64
+    batch_invariant: bool = False
+    pad_rows: int = 8
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_sessions <= self.n_batch:
+            # Decode rows never exceed n_batch - 1 while anyone prefills: prefill always progresses.
+            raise ValueError(f"need 1 <= max_sessions ({self.max_sessions}) <= n_batch ({self.n_batch})")
+        if not 1 <= self.max_prefill_tokens <= self.n_batch:
+            raise ValueError(f"need 1 <= max_prefill_tokens ({self.max_prefill_tokens}) <= n_batch ({self.n_batch})")
+        if self.batch_invariant and self.n_batch < _round_up(self.max_sessions, self.pad_rows):
+            raise ValueError(f"batch-invariant mode pads decode rows to {self.pad_rows}: n_batch too small")
+        if self.max_step_tokens < 1 or self.kv_cells < 1 or self.queue_budget_bytes < 0:
+            raise ValueError("max_step_tokens and kv_cells must be >= 1, queue_budget_bytes >= 0")
+
+
+@dataclass(slots=True)
+class Step:
+    """An accepted step; `done` rows of it have run."""
+
+    key: SessionKey
+    pos: int
+    n: int
+    nbytes: int
+    arrival: int
+    payload: object = None  # the engine's input and reply handle; opaque here
+    done: int = 0
+    submitted_iteration: int = 0  # the last iteration planned before it arrived
+
+    @property
+    def is_decode(self) -> bool:
+        return self.n == 1
+
+
+@dataclass(slots=True)
+class Session:
+    key: SessionKey
+    max_tokens: int
+    opened_ms: float
+    seq: int = -1  # the backend's sequence id, bound by the engine
+    length: int = 0
+    step: Step | None = None
+    last_active_ms: float = 0.0
+
+
+@dataclass(slots=True)
+class Waiter:
+    key: SessionKey
+    max_tokens: int
+    deadline_ms: float
+    payload: object = None
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """Rows offset..offset+count-1 of a step, at positions pos+offset.."""
+
+    key: SessionKey
+    seq: int
+    pos: int  # position of the chunk's first row
+    offset: int
+    count: int
+    completes: bool  # the step's last chunk: it produces the reply
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One llama_decode call: chunks, plus padding rows (batch-invariant decode)."""
+
+    chunks: tuple[Chunk, ...]
+    pad_rows: int = 0
+
+    @property
+    def rows(self) -> int:
+        return sum(c.count for c in self.chunks) + self.pad_rows
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    iteration: int
+    calls: tuple[Call, ...]
+
+    @property
+    def chunks(self) -> Iterable[Chunk]:
+        return (c for call in self.calls for c in call.chunks)
+
+
+@dataclass(slots=True)
+class _Estimates:
+    """Recent step and session durations, for `retry_after_ms`."""
+
+    step_ms: float = 50.0
+    session_ms: float = 5000.0
+
+    def observe_step(self, ms: float) -> None:
+        self.step_ms += 0.2 * (ms - self.step_ms)
+
+    def observe_session(self, ms: float) -> None:
+        self.session_ms += 0.2 * (ms - self.session_ms)
+
+
+def _round_up(n: int, k: int) -> int:
+    return -(-n // k) * k
+
+
+@dataclass(slots=True)
+class Scheduler:
+    config: SchedulerConfig
+    sessions: dict[SessionKey, Session] = field(default_factory=dict)
+    waiting: deque[Waiter] = field(default_factory=deque)
+    kv_reserved: int = 0
+    queued_bytes: int = 0
+    shutting_down: bool = False
+    iteration: int = 0
+    estimates: _Estimates = field(default_factory=_Estimates)
+    _arrivals: int = 0
+    _rr: deque[SessionKey] = field(default_factory=deque)  # prefilling sessions, next first
+
+    # -- admission ---------------------------------------------------------------
+
+    def _fits(self, max_tokens: int) -> bool:
+        return len(self.sessions) < self.config.max_sessions and self.kv_reserved + max_tokens <= self.config.kv_cells
+
+    def _shortage(self, max_tokens: int) -> Rejection:
+        cfg = self.config
+        retry = int(min(60_000, max(self.estimates.step_ms, self.estimates.session_ms / max(1, len(self.sessions)))))
+        if len(self.sessions) >= cfg.max_sessions:
+            return Rejection(Reason.SESSION_LIMIT, f"the node holds its maximum of {cfg.max_sessions} sessions", retry)
+        free = cfg.kv_cells - self.kv_reserved
+        return Rejection(Reason.KV_BUDGET, f"{max_tokens} KV cells requested, {free} of {cfg.kv_cells} free", retry)
+
+    def request_open(
+        self, key: SessionKey, max_tokens: int, wait_ms: int, now_ms: float, payload: object = None
+    ) -> Session | Waiter | Rejection:
+        """Admit now, queue for up to `wait_ms`, or reject with a reason."""
+        if self.shutting_down:
+            return Rejection(Reason.SHUTTING_DOWN, "the node is draining")
+        if key in self.sessions or any(w.key == key for w in self.waiting):
+            return Rejection(Reason.SESSION_EXISTS, "a session with this id is open")
+        if max_tokens > self.config.kv_cells:
+            return Rejection(
+                Reason.KV_BUDGET, f"max_tokens {max_tokens} exceeds the node's {self.config.kv_cells} cells"
+            )
+        if not self.waiting and self._fits(max_tokens):
+            return self._admit(key, max_tokens, now_ms)
+        if wait_ms > 0 and len(self.waiting) < self.config.max_waiting_opens:
+            waiter = Waiter(key, max_tokens, now_ms + wait_ms, payload)
+            self.waiting.append(waiter)
+            return waiter
+        return self._shortage(max_tokens)
+
+    def _admit(self, key: SessionKey, max_tokens: int, now_ms: float) -> Session:
+        session = Session(key, max_tokens, opened_ms=now_ms, last_active_ms=now_ms)
+        self.sessions[key] = session
+        self.kv_reserved += max_tokens
+        return session
+
+    def poll_waiting(self, now_ms: float) -> tuple[list[tuple[Waiter, Session]], list[tuple[Waiter, Rejection]]]:
+        """Admit waiters in FIFO order while they fit; expire those past their deadline."""
+        admitted: list[tuple[Waiter, Session]] = []
+        while self.waiting and self._fits(self.waiting[0].max_tokens) and not self.shutting_down:
+            w = self.waiting.popleft()
+            admitted.append((w, self._admit(w.key, w.max_tokens, now_ms)))
+        expired: list[tuple[Waiter, Rejection]] = []
+        for w in list(self.waiting):
+            if self.shutting_down or w.deadline_ms <= now_ms:
+                self.waiting.remove(w)
+                why = Rejection(Reason.SHUTTING_DOWN, "the node is draining") if self.shutting_down else None
+                expired.append((w, why or self._shortage(w.max_tokens)))
+        return admitted, expired
+
+    def next_deadline_ms(self) -> float | None:
+        return min((w.deadline_ms for w in self.waiting), default=None)
+
+    def close(self, key: SessionKey, now_ms: float) -> Session | None:
+        """Forget a session (and its pending step, returned on the session); None if unknown."""
+        session = self.sessions.pop(key, None)
+        if session is None:
+            return None
+        self.kv_reserved -= session.max_tokens
+        if session.step is not None:
+            self.queued_bytes -= session.step.nbytes
+        if key in self._rr:
+            self._rr.remove(key)
+        self.estimates.observe_session(now_ms - session.opened_ms)
+        return session
+
+    # -- steps -------------------------------------------------------------------
+
+    def submit(
+        self, key: SessionKey, pos: int, n: int, nbytes: int, now_ms: float, payload: object = None
+    ) -> Step | Rejection:
+        """Accept a step or refuse it; an accepted rewind (pos < length) shortens the session."""
+        cfg = self.config
+        if self.shutting_down:
+            return Rejection(Reason.SHUTTING_DOWN, "the node is draining")
+        session = self.sessions.get(key)
+        if session is None:
+            return Rejection(Reason.UNKNOWN_SESSION, "no such open session on this connection")
+        if session.step is not None:
+            return Rejection(Reason.BUSY, "the session already has a step in flight", self._busy_retry())
+        if n > cfg.max_step_tokens:
+            return Rejection(Reason.TOO_LARGE, f"n={n} exceeds max_step_tokens {cfg.max_step_tokens}")
+        if n < 1 or pos < 0 or pos > session.length or pos + n > session.max_tokens:
+            return Rejection(
+                Reason.POSITION,
+                f"step at pos={pos} n={n}: session holds {session.length} of max_tokens {session.max_tokens}",
+            )
+        if self.queued_bytes + nbytes > cfg.queue_budget_bytes:
+            return Rejection(
+                Reason.BUSY, f"queue budget full ({self.queued_bytes} of {cfg.queue_budget_bytes} bytes)",
+                self._busy_retry(),
+            )  # fmt: skip
+        self._arrivals += 1
+        step = Step(key, pos, n, nbytes, self._arrivals, payload, submitted_iteration=self.iteration)
+        session.step = step
+        session.length = pos
+        session.last_active_ms = now_ms
+        self.queued_bytes += nbytes
+        if not step.is_decode:
+            self._rr.append(key)
+        return step
+
+    def _busy_retry(self) -> int:
+        return max(1, int(self.estimates.step_ms))
+
+    @property
+    def pending_steps(self) -> int:
+        return sum(1 for s in self.sessions.values() if s.step is not None)
+
+    # -- planning ----------------------------------------------------------------
+
+    def plan(self) -> Plan | None:
+        """The next iteration's llama_decode calls, or None when there is nothing to run."""
+        cfg = self.config
+        decodes = sorted(
+            (s for s in self.sessions.values() if s.step is not None and s.step.is_decode),
+            key=lambda s: s.step.arrival if s.step else 0,
+        )[: cfg.n_batch]
+        decode_chunks = tuple(Chunk(s.key, s.seq, s.length, 0, 1, True) for s in decodes)
+        calls: list[Call] = []
+        if cfg.batch_invariant:
+            if decode_chunks:
+                pad = _round_up(len(decode_chunks), cfg.pad_rows) - len(decode_chunks)
+                calls.append(Call(decode_chunks, pad))
+            prefill = self._prefill_chunks(cfg.max_prefill_tokens, aligned=True, limit_sessions=1)
+            calls += [Call((c,)) for c in prefill]
+        else:
+            budget = min(cfg.n_batch - len(decode_chunks), cfg.max_prefill_tokens)
+            chunks = decode_chunks + tuple(self._prefill_chunks(budget, aligned=False))
+            if chunks:
+                calls.append(Call(chunks))
+        if not calls:
+            return None
+        self.iteration += 1
+        return Plan(self.iteration, tuple(calls))
+
+    def _prefill_chunks(self, budget: int, *, aligned: bool, limit_sessions: int | None = None) -> list[Chunk]:
+        """Round-robin: serve prefilling sessions in turn; whoever was served goes to the back."""
+        chunks: list[Chunk] = []
+        served: list[SessionKey] = []
+        for key in list(self._rr):
+            if budget <= 0 or (limit_sessions is not None and len(served) >= limit_sessions):
+                break
+            session = self.sessions[key]
+            step = session.step
+            assert step is not None
+            start = step.pos + step.done
+            count = min(step.n - step.done, budget)
+            if aligned:  # chunk boundaries at multiples of the chunk size: independent of load
+                size = self.config.max_prefill_tokens
+                count = min(count, (start // size + 1) * size - start)
+            chunks.append(Chunk(key, session.seq, start, step.done, count, step.done + count == step.n))
+            budget -= count
+            served.append(key)
+        for key in served:
+            self._rr.remove(key)
+            self._rr.append(key)
+        return chunks
+
+    def commit(self, plan: Plan, now_ms: float, step_ms: float) -> list[Step]:
+        """Record a plan that ran; returns the steps it completed (to be answered)."""
+        self.estimates.observe_step(step_ms)
+        finished: list[Step] = []
+        for chunk in plan.chunks:
+            session = self.sessions[chunk.key]
+            step = session.step
+            assert step is not None and step.pos + step.done == chunk.pos
+            step.done += chunk.count
+            session.length = chunk.pos + chunk.count
+            session.last_active_ms = now_ms
+            if chunk.completes:
+                finished.append(step)
+                session.step = None
+                self.queued_bytes -= step.nbytes
+                if chunk.key in self._rr:
+                    self._rr.remove(chunk.key)
+        return finished
+
+    def fail(self, plan: Plan) -> list[Step]:
+        """A plan's call failed: its steps are dropped and their sessions set back to each step's start."""
+        failed: list[Step] = []
+        for key in dict.fromkeys(c.key for c in plan.chunks):
+            session = self.sessions[key]
+            step = session.step
+            assert step is not None
+            session.length = step.pos
+            session.step = None
+            self.queued_bytes -= step.nbytes
+            if key in self._rr:
+                self._rr.remove(key)
+            failed.append(step)
+        return failed
+
+    def idle_sessions(self, now_ms: float, idle_ms: float) -> list[SessionKey]:
+        return [k for k, s in self.sessions.items() if s.step is None and now_ms - s.last_active_ms >= idle_ms]
+
+    def begin_shutdown(self, now_ms: float) -> list[tuple[Waiter, Rejection]]:
+        """Refuse new work from now on; waiting opens are rejected."""
+        self.shutting_down = True
+        return self.poll_waiting(now_ms)[1]

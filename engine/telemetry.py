@@ -1,0 +1,85 @@
+"""Telemetry: counters, recent-window rates and a step-time histogram (DESIGN.md names)."""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+@dataclass(slots=True)
+class RateWindow:
+    """Events per second over the last `seconds`."""
+
+    seconds: float = 10.0
+    events: deque[tuple[float, int]] = field(default_factory=deque)
+
+    def add(self, now: float, n: int) -> None:
+        self.events.append((now, n))
+        self._trim(now)
+
+    def rate(self, now: float) -> float:
+        self._trim(now)
+        if not self.events:
+            return 0.0
+        span = max(now - self.events[0][0], 1e-3)
+        return sum(n for _, n in self.events) / max(span, min(self.seconds, 1.0))
+
+    def _trim(self, now: float) -> None:
+        while self.events and self.events[0][0] < now - self.seconds:
+            self.events.popleft()
+
+
+@dataclass(slots=True)
+class Histogram:
+    """Cumulative-bucket histogram in the Prometheus layout."""
+
+    bounds: tuple[float, ...] = STEP_BUCKETS
+    counts: list[int] = field(default_factory=lambda: [0] * (len(STEP_BUCKETS) + 1))
+    total: float = 0.0
+    n: int = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+        self.n += 1
+
+    def snapshot(self) -> dict[str, object]:
+        cumulative, running = {}, 0
+        for bound, count in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            running += count
+            cumulative["+Inf" if bound == float("inf") else str(bound)] = running
+        return {"buckets": cumulative, "sum": round(self.total, 6), "count": self.n}
+
+
+@dataclass(slots=True)
+class Telemetry:
+    """Counters the engine updates; `snapshot` adds the gauges it is given."""
+
+    admissions_total: int = 0
+    rejected: Counter[str] = field(default_factory=Counter)
+    errors: Counter[str] = field(default_factory=Counter)
+    batches_total: int = 0
+    batch_rows_last: int = 0
+    batch_rows_sum: int = 0
+    prefill_tokens_total: int = 0
+    decode_tokens_total: int = 0
+    prefill_window: RateWindow = field(default_factory=RateWindow)
+    decode_window: RateWindow = field(default_factory=RateWindow)
+    step_seconds: Histogram = field(default_factory=Histogram)
+
+    def record_batch(self, now: float, rows: int, prefill: int, decode: int, seconds: float) -> None:
+        self.batches_total += 1
+        self.batch_rows_last = rows
+        self.batch_rows_sum += rows
+        self.prefill_tokens_total += prefill
+        self.decode_tokens_total += decode
+        self.prefill_window.add(now, prefill)
+        self.decode_window.add(now, decode)
+        self.step_seconds.observe(seconds)
+
+    def occupancy(self, max_rows: int) -> float:
+        """Mean rows per batch over the maximum rows a batch may carry."""
+        return 0.0 if not self.batches_total else self.batch_rows_sum / self.batches_total / max_rows

@@ -1,0 +1,342 @@
+"""The Trio engine with the real llama.cpp backend on the tiny model."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+
+from engine.backend import ContextConfig, Output, StageBackend
+from engine.budgets import BudgetError, Limits
+from engine.engine import Engine, EngineConfig, open_engine
+from engine.messages import CloseRequest, DropOwner, Failure, Opened, OpenRequest, Result, StepDone, StepRequest
+from engine.sampling import SamplingParams
+
+
+def config(model: Path, **overrides: Any) -> EngineConfig:
+    base = EngineConfig(
+        model=model, max_sessions=8, kv_cells=2048, n_batch=64, n_ubatch=16, kv_type="f32", flash_attn=False,
+        max_prefill_tokens=16, max_step_tokens=512, record_iterations=True, drain_timeout_s=5.0,
+    )  # fmt: skip
+    return replace(base, **overrides)
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return [1, *rng.integers(3, 268, n - 1).tolist()]
+
+
+def tokens(values: list[int]) -> np.ndarray:
+    return np.array(values, np.int32)
+
+
+async def generate(engine: Engine, name: str, ids: list[int], steps: int, owner: str = "c") -> list[int]:
+    opened = await engine.request(OpenRequest(owner, name, max_tokens=len(ids) + steps + 1))
+    assert isinstance(opened, Opened), opened
+    out: list[int] = []
+    result = await engine.request(StepRequest(owner, name, 0, Output.TOKEN, tokens=tokens(ids)))
+    for _ in range(steps):
+        assert isinstance(result, StepDone) and result.token is not None, result
+        out.append(result.token)
+        pos = len(ids) + len(out) - 1
+        result = await engine.request(StepRequest(owner, name, pos, Output.TOKEN, tokens=tokens([out[-1]])))
+    assert isinstance(result, StepDone) and result.token is not None
+    out.append(result.token)
+    await engine.request(CloseRequest(owner, name))
+    return out
+
+
+async def test_concurrent_sessions_match_their_solo_runs(tiny_model: Path) -> None:
+    prompts = {f"s{i}": prompt(i, 3 + 5 * i) for i in range(8)}
+    solo = {}
+    async with open_engine(config(tiny_model)) as engine:
+        for name, ids in prompts.items():
+            solo[name] = await generate(engine, name, ids, 24)
+    together: dict[str, list[int]] = {}
+    async with open_engine(config(tiny_model)) as engine:
+
+        async def one(name: str) -> None:
+            together[name] = await generate(engine, name, prompts[name], 24)
+
+        async with trio.open_nursery() as nursery:
+            for name in prompts:
+                nursery.start_soon(one, name)
+        rows = [r.chunks for r in engine.iterations]
+        assert max(len(c) for c in rows) >= 6, "sessions were really batched together"
+        assert engine.stats()["sessions_active"] == 0
+    assert together == solo
+
+
+async def test_long_prefill_delays_no_decode_by_more_than_one_iteration(tiny_model: Path) -> None:
+    async with open_engine(config(tiny_model, kv_cells=4096)) as engine:
+        stop = trio.Event()
+
+        async def decoder(name: str) -> None:
+            ids = prompt(hash(name) % 1000, 4)
+            assert isinstance(await engine.request(OpenRequest("c", name, 400)), Opened)
+            r = await engine.request(StepRequest("c", name, 0, Output.TOKEN, tokens=tokens(ids)))
+            pos = len(ids)
+            while not stop.is_set() and pos < 390:
+                assert isinstance(r, StepDone) and r.token is not None
+                r = await engine.request(StepRequest("c", name, pos, Output.TOKEN, tokens=tokens([r.token])))
+                pos += 1
+
+        async def long_prompt() -> None:
+            await trio.sleep(0.05)
+            assert isinstance(await engine.request(OpenRequest("c", "long", 400)), Opened)
+            r = await engine.request(StepRequest("c", "long", 0, Output.TOKEN, tokens=tokens(prompt(99, 300))))
+            assert isinstance(r, StepDone)
+            stop.set()
+
+        async with trio.open_nursery() as nursery:
+            for i in range(7):
+                nursery.start_soon(decoder, f"d{i}")
+            nursery.start_soon(long_prompt)
+        log = engine.iterations
+        prefill_iterations = [r for r in log if any(c[0][1] == "long" for c in r.chunks)]
+        assert len(prefill_iterations) >= 300 // 16
+        mixed = [r for r in prefill_iterations if any(c[3] for c in r.chunks)]
+        assert len(mixed) >= len(prefill_iterations) // 2, "decodes ran beside the prefill"
+        waits = [c[4] for r in log for c in r.chunks if c[3]]
+        assert waits and max(waits) <= 1, f"a decode waited {max(waits)} iterations"
+        for r in prefill_iterations:
+            assert sum(c[2] for c in r.chunks if not c[3]) <= 16
+
+
+async def test_flood_gets_busy_and_stays_bounded(tiny_model: Path) -> None:
+    cfg = config(tiny_model, inbox_size=8, queue_budget_bytes=4 * 40)
+    async with open_engine(cfg) as engine:
+        for i in range(8):
+            assert isinstance(await engine.request(OpenRequest("c", f"s{i}", 200)), Opened)
+        replies: list[Result] = []
+        immediate: list[Failure] = []
+
+        def collect(result: Result) -> bool:
+            replies.append(result)
+            return True
+
+        for round_ in range(40):
+            for i in range(8):
+                step = StepRequest("c", f"s{i}", 0, Output.TOKEN, tokens=tokens(prompt(round_ + i, 20)))
+                refused = engine.submit(step, collect)
+                if refused is not None:
+                    immediate.append(refused)
+            stats = engine.stats()
+            assert stats["queue_bytes"] <= cfg.queue_budget_bytes
+            assert engine._inbox.statistics().current_buffer_used <= cfg.inbox_size
+            await trio.sleep(0)
+        while len(replies) + len(immediate) < 320:
+            await trio.sleep(0.01)
+        busy = [f for f in [*immediate, *replies] if isinstance(f, Failure) and f.code == "busy"]
+        done = [r for r in replies if isinstance(r, StepDone)]
+        assert immediate and all(f.code == "busy" and f.retry_after_ms for f in immediate)
+        assert busy and done
+        assert len(busy) + len(done) == 320, "every request was answered, by a result or busy"
+        stats = engine.stats()
+        assert stats["admissions_rejected_total"]["busy"] >= len(busy) - len(immediate)
+        assert stats["queue_bytes"] == 0 and stats["queue_depth"] == 0
+
+
+async def test_waiting_open_is_admitted_when_capacity_frees(tiny_model: Path) -> None:
+    async with open_engine(config(tiny_model, max_sessions=1)) as engine:
+        assert isinstance(await engine.request(OpenRequest("c", "a", 100)), Opened)
+        quick = await engine.request(OpenRequest("c", "b", 100, wait_ms=30))
+        assert isinstance(quick, Failure) and quick.code == "session_limit" and quick.retry_after_ms
+        got: list[Result] = []
+
+        async def waiter() -> None:
+            got.append(await engine.request(OpenRequest("c", "b", 100, wait_ms=10_000)))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(waiter)
+            await trio.sleep(0.05)
+            assert not got and engine.stats()["sessions_waiting"] == 1
+            await engine.request(CloseRequest("c", "a"))
+        assert isinstance(got[0], Opened)
+        assert engine.stats()["admissions_rejected_total"] == {"session_limit": 1}
+
+
+async def test_kv_budget_rejection_and_reservation(tiny_model: Path) -> None:
+    async with open_engine(config(tiny_model, kv_cells=512)) as engine:
+        assert engine.stats()["kv_cells_total"] == 512
+        assert isinstance(await engine.request(OpenRequest("c", "a", 400)), Opened)
+        r = await engine.request(OpenRequest("c", "b", 200))
+        assert isinstance(r, Failure) and r.code == "kv_budget" and "112 of 512 free" in r.message
+        stats = engine.stats()
+        assert stats["kv_cells_reserved"] == 400 and stats["kv_pressure"] == pytest.approx(400 / 512)
+
+
+async def test_cancelled_request_frees_its_session(tiny_model: Path) -> None:
+    async with open_engine(config(tiny_model)) as engine:
+        await engine.request(OpenRequest("c", "a", 400))
+        batches = engine.telemetry.batches_total
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(engine.request, StepRequest("c", "a", 0, Output.TOKEN, tokens=tokens(prompt(1, 300))))
+            while engine.telemetry.batches_total == batches:
+                await trio.sleep(0.001)
+            nursery.cancel_scope.cancel()  # the requester leaves mid-step
+        for _ in range(500):
+            if engine.stats()["sessions_active"] == 0:
+                break
+            await trio.sleep(0.01)
+        assert engine.stats()["sessions_active"] == 0
+        assert engine.stats()["kv_cells_reserved"] == 0
+
+
+async def test_sessions_belong_to_their_owner_and_drop_owner_frees_them(tiny_model: Path) -> None:
+    async with open_engine(config(tiny_model)) as engine:
+        await engine.request(OpenRequest("alice", "s", 50))
+        r = await engine.request(StepRequest("bob", "s", 0, Output.TOKEN, tokens=tokens([1, 5])))
+        assert isinstance(r, Failure) and r.code == "unknown_session"
+        closed = await engine.request(CloseRequest("bob", "s"))
+        assert closed.existed is False  # type: ignore[union-attr]
+        assert isinstance(await engine.request(OpenRequest("bob", "s", 50)), Opened)  # same id, other owner
+        engine.submit(DropOwner("alice"), lambda r: True)
+        await trio.sleep(0.01)
+        assert engine.stats()["sessions_active"] == 1
+
+
+async def test_step_errors_are_answered_and_change_nothing(tiny_model: Path) -> None:
+    async with open_engine(config(tiny_model, max_step_tokens=32)) as engine:
+        await engine.request(OpenRequest("c", "s", 20))
+        first = await engine.request(StepRequest("c", "s", 0, Output.LOGITS, tokens=tokens([1, 5, 6])))
+        assert isinstance(first, StepDone)
+        cases = [
+            (StepRequest("c", "s", 5, Output.TOKEN, tokens=tokens([5])), "position"),
+            (StepRequest("c", "s", 3, Output.TOKEN, tokens=tokens([5] * 33)), "too_large"),
+            (StepRequest("c", "s", 3, Output.TOKEN, tokens=tokens([5] * 18)), "position"),
+            (StepRequest("c", "s", 3, Output.TOKEN, tokens=tokens([999])), "bad_request"),
+            (StepRequest("c", "s", 3, Output.HIDDEN, tokens=tokens([5])), "wrong_stage"),
+            (StepRequest("c", "s", 3, Output.TOKEN, hidden=np.zeros((1, 64), np.float32)), "wrong_stage"),
+            (StepRequest("c", "nope", 0, Output.TOKEN, tokens=tokens([5])), "unknown_session"),
+        ]
+        for request, code in cases:
+            r = await engine.request(request)
+            assert isinstance(r, Failure) and r.code == code, (request, r)
+        # Retrying the first step (a rewind to 0) is idempotent.
+        again = await engine.request(StepRequest("c", "s", 0, Output.LOGITS, tokens=tokens([1, 5, 6])))
+        assert isinstance(again, StepDone) and again.logits is not None and first.logits is not None
+        np.testing.assert_allclose(again.logits, first.logits, rtol=1e-5, atol=1e-5)
+        assert engine.stats()["errors_total"]["position"] == 2
+
+
+async def test_shutdown_drains_in_flight_work_and_refuses_new(tiny_model: Path) -> None:
+    results: list[Result] = []
+    async with open_engine(config(tiny_model)) as engine:
+        await engine.request(OpenRequest("c", "s", 400))
+        engine.submit(StepRequest("c", "s", 0, Output.TOKEN, tokens=tokens(prompt(2, 200))), results.append)  # type: ignore[arg-type]
+        engine.begin_shutdown()
+        refused = await engine.request(OpenRequest("c", "t", 10))
+        assert isinstance(refused, Failure) and refused.code == "shutting_down"
+    assert len(results) == 1 and isinstance(results[0], StepDone)
+
+
+async def test_sampling_through_the_engine_is_seeded(tiny_model: Path) -> None:
+    async with open_engine(config(tiny_model)) as engine:
+        outs = []
+        for name in ("a", "b"):
+            await engine.request(OpenRequest("c", name, 50, SamplingParams(temperature=1.2, top_k=50, seed=7)))
+            r = await engine.request(StepRequest("c", name, 0, Output.TOKEN, tokens=tokens(prompt(4, 10))))
+            assert isinstance(r, StepDone)
+            outs.append(r.token)
+        assert outs[0] == outs[1]
+
+
+def test_impossible_budgets_are_refused_at_start(tiny_model: Path) -> None:
+    async def start(cfg: EngineConfig) -> None:
+        async with open_engine(cfg):
+            pass
+
+    with pytest.raises(BudgetError, match=r"weights budget: need \d+ bytes"):
+        trio.run(start, config(tiny_model, limits=Limits(weights=1000)))
+    with pytest.raises(BudgetError, match="kv budget"):
+        trio.run(start, config(tiny_model, limits=Limits(kv=2**20)))
+    with pytest.raises(BudgetError, match="scratch budget"):
+        trio.run(start, config(tiny_model, limits=Limits(scratch=1000)))
+
+
+@pytest.mark.parametrize(("model", "kv_type", "cells"), [("tiny_model", "f16", 3000), ("tiny_gemma", "f32", 5000)])
+def test_kv_budget_matches_llama_cpp_allocation(
+    model: str, kv_type: str, cells: int, request: pytest.FixtureRequest
+) -> None:
+    from engine.engine import plan_budgets  # noqa: PLC0415
+    from engine.gguf_facts import read_facts  # noqa: PLC0415
+
+    path: Path = request.getfixturevalue(model)
+    cfg = config(path, kv_cells=cells, kv_type=kv_type, max_sessions=4)
+    budgets, padded = plan_budgets(cfg, read_facts(path))
+    backend = StageBackend(path, cfg.context())
+    try:
+        logged = [line for line in backend.context_log if "KV buffer size" in line]
+        llama_bytes = sum(float(line.rsplit("=", 1)[1].split()[0]) for line in logged) * 2**20
+        cells_logged = [
+            int(line.split("size = ")[1].split()[0]) for line in backend.context_log if "KV cache, size" in line
+        ]
+    finally:
+        backend.close()
+    assert padded == -(-cells // 256) * 256
+    assert abs(budgets.kv_bytes - llama_bytes) <= 0.01 * 2**20 * len(logged), (budgets.kv_bytes, llama_bytes)
+    if model == "tiny_gemma":
+        assert cells_logged == [padded, 256]  # full-attention cache, then the window cache
+
+
+async def invariant_traces(model: Path, pad_rows: int, partners: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """One session's teacher-forced logits alone, then beside `partners` other sessions."""
+    # Flash attention on: its kernel walks KV cells one by one, so where a session's cells sit
+    # in the shared cache does not change its sums (the non-FA softmax sums across cells in SIMD
+    # groups and differs at 1e-6 with the layout).
+    cfg = config(model, batch_invariant=True, pad_rows=pad_rows, max_prefill_tokens=16, flash_attn=True)
+
+    async def trace(engine: Engine, name: str, ids: list[int], steps: int = 20) -> list[np.ndarray]:
+        await engine.request(OpenRequest("c", name, 200))
+        r = await engine.request(StepRequest("c", name, 0, Output.LOGITS, tokens=tokens(ids)))
+        out = []
+        for i in range(steps):
+            assert isinstance(r, StepDone) and r.logits is not None
+            out.append(r.logits)
+            nxt = int(np.argmax(r.logits))
+            r = await engine.request(StepRequest("c", name, len(ids) + i, Output.LOGITS, tokens=tokens([nxt])))
+        return out
+
+    mine = prompt(42, 37)
+    async with open_engine(cfg) as engine:
+        alone = await trace(engine, "me", mine)
+    async with open_engine(cfg) as engine:
+        traces: dict[str, list[np.ndarray]] = {}
+
+        async def run(name: str, ids: list[int]) -> None:
+            traces[name] = await trace(engine, name, ids)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(partners):
+                nursery.start_soon(run, f"p{i}", prompt(i, 5 + 7 * i))
+            nursery.start_soon(run, "me", mine)
+        assert pad_rows == 1 or any(r.pad_rows for r in engine.iterations)
+    return alone, traces["me"]
+
+
+def max_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
+    return max(float(np.abs(x - y).max()) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize(("pad_rows", "partners"), [(8, 6), (2, 1), (2, 4)])
+async def test_batch_invariant_mode_is_bit_exact_whatever_else_runs(
+    tiny_model: Path, pad_rows: int, partners: int
+) -> None:
+    alone, beside = await invariant_traces(tiny_model, pad_rows, partners)
+    assert max_diff(alone, beside) == 0.0
+
+
+async def test_tiny_model_kernels_need_padding(tiny_model: Path) -> None:
+    """Unpadded, a one-row decode takes another kernel path than a batch: outputs move."""
+    alone, beside = await invariant_traces(tiny_model, pad_rows=1, partners=3)
+    assert max_diff(alone, beside) > 1e-5
+
+
+def test_engine_refuses_nonsense_context(tiny_model: Path) -> None:
+    with pytest.raises(ValueError, match="n_ubatch"):
+        ContextConfig(n_batch=16, n_ubatch=32)

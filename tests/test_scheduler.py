@@ -1,0 +1,310 @@
+"""The pure scheduler: policy examples and hypothesis state-machine properties."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from engine.scheduler import Plan, Reason, Rejection, Scheduler, SchedulerConfig, Session, Step, Waiter
+
+CFG = SchedulerConfig(
+    max_sessions=4, kv_cells=256, n_batch=16, max_prefill_tokens=8, max_step_tokens=64, queue_budget_bytes=10_000
+)
+
+
+def opened(s: Scheduler, key: str, max_tokens: int = 32, seq: int = 0) -> Session:
+    session = s.request_open(key, max_tokens, 0, 0.0)
+    assert isinstance(session, Session)
+    session.seq = seq
+    return session
+
+
+def run(s: Scheduler, plan: Plan) -> list[Step]:
+    return s.commit(plan, 0.0, 10.0)
+
+
+def test_decode_first_then_prefill_round_robin() -> None:
+    s = Scheduler(CFG)
+    for i, key in enumerate("abcd"):
+        opened(s, key, seq=i)
+    s.submit("a", 0, 20, 80, 0.0)  # long prefill
+    s.submit("b", 0, 20, 80, 0.0)  # long prefill
+    s.submit("c", 0, 1, 4, 0.0)
+    s.submit("d", 0, 1, 4, 0.0)
+    plan = s.plan()
+    assert plan is not None
+    chunks = list(plan.chunks)
+    assert [(c.key, c.count) for c in chunks] == [("c", 1), ("d", 1), ("a", 8)]
+    assert {st.key for st in run(s, plan)} == {"c", "d"}
+    plan = s.plan()
+    assert plan is not None and [(c.key, c.count) for c in plan.chunks] == [("b", 8)]  # b's turn
+    run(s, plan)
+    plan = s.plan()
+    assert plan is not None and [(c.key, c.pos) for c in plan.chunks] == [("a", 8)]
+
+
+def test_large_step_is_split_and_answered_once_complete() -> None:
+    s = Scheduler(CFG)
+    opened(s, "a")
+    step = s.submit("a", 0, 20, 80, 0.0)
+    assert isinstance(step, Step)
+    answered = []
+    while (plan := s.plan()) is not None:
+        assert sum(c.count for c in plan.chunks) <= CFG.max_prefill_tokens
+        answered += run(s, plan)
+    assert answered == [step] and step.done == 20 and s.sessions["a"].length == 20
+    assert s.queued_bytes == 0
+
+
+def test_one_step_in_flight_per_session_and_errors_have_reasons() -> None:
+    s = Scheduler(CFG)
+    opened(s, "a", max_tokens=10)
+    assert isinstance(s.submit("a", 0, 2, 8, 0.0), Step)
+    busy = s.submit("a", 2, 1, 4, 0.0)
+    assert isinstance(busy, Rejection) and busy.reason is Reason.BUSY and busy.retry_after_ms
+    run(s, s.plan())  # type: ignore[arg-type]
+    cases = {
+        ("b", 0, 1): Reason.UNKNOWN_SESSION,
+        ("a", 3, 1): Reason.POSITION,  # gap
+        ("a", 2, 9): Reason.POSITION,  # past max_tokens
+        ("a", 0, 65): Reason.TOO_LARGE,
+    }
+    for (key, pos, n), reason in cases.items():
+        r = s.submit(key, pos, n, 4 * n, 0.0)
+        assert isinstance(r, Rejection) and r.reason is reason and r.message
+    assert s.sessions["a"].length == 2
+
+
+def test_queue_budget_refuses_with_busy_and_nothing_queued() -> None:
+    s = Scheduler(replace(CFG, queue_budget_bytes=100))
+    opened(s, "a")
+    opened(s, "b", seq=1)
+    assert isinstance(s.submit("a", 0, 20, 80, 0.0), Step)
+    r = s.submit("b", 0, 10, 40, 0.0)
+    assert isinstance(r, Rejection) and r.reason is Reason.BUSY and "queue budget" in r.message
+    assert s.queued_bytes == 80 and s.sessions["b"].step is None
+
+
+def test_rewind_shortens_the_session() -> None:
+    s = Scheduler(CFG)
+    opened(s, "a")
+    s.submit("a", 0, 5, 20, 0.0)
+    run(s, s.plan())  # type: ignore[arg-type]
+    step = s.submit("a", 2, 1, 4, 0.0)
+    assert isinstance(step, Step) and s.sessions["a"].length == 2
+    plan = s.plan()
+    assert plan is not None and next(iter(plan.chunks)).pos == 2
+
+
+def test_admission_waits_in_fifo_then_expires_with_retry_estimate() -> None:
+    s = Scheduler(replace(CFG, max_sessions=1))
+    opened(s, "a")
+    w1 = s.request_open("b", 10, 100, 0.0)
+    w2 = s.request_open("c", 10, 50, 0.0)
+    assert isinstance(w1, Waiter) and isinstance(w2, Waiter)
+    assert isinstance(s.request_open("b", 10, 100, 0.0), Rejection)  # exists (waiting)
+    admitted, expired = s.poll_waiting(60.0)
+    assert admitted == [] and [w.key for w, _ in expired] == ["c"]
+    assert expired[0][1].reason is Reason.SESSION_LIMIT and expired[0][1].retry_after_ms
+    s.close("a", 70.0)
+    admitted, expired = s.poll_waiting(70.0)
+    assert [w.key for w, _ in admitted] == ["b"] and not expired
+    no_wait = s.request_open("d", 10, 0, 80.0)
+    assert isinstance(no_wait, Rejection) and no_wait.reason is Reason.SESSION_LIMIT
+
+
+def test_kv_is_reserved_up_front_and_never_overcommitted() -> None:
+    s = Scheduler(replace(CFG, kv_cells=100))
+    opened(s, "a", max_tokens=60)
+    r = s.request_open("b", 50, 0, 0.0)
+    assert isinstance(r, Rejection) and r.reason is Reason.KV_BUDGET and "40 of 100 free" in r.message
+    huge = s.request_open("c", 101, 1000, 0.0)
+    assert isinstance(huge, Rejection) and huge.reason is Reason.KV_BUDGET and not s.waiting
+    opened(s, "b", max_tokens=40)
+    assert s.kv_reserved == 100
+
+
+def test_failure_rolls_sessions_back_to_step_start() -> None:
+    s = Scheduler(CFG)
+    opened(s, "a")
+    s.submit("a", 0, 20, 80, 0.0)
+    run(s, s.plan())  # type: ignore[arg-type]
+    assert s.sessions["a"].length == 8
+    failed = s.fail(s.plan())  # type: ignore[arg-type]
+    assert [f.key for f in failed] == ["a"] and s.sessions["a"].length == 0
+    assert s.sessions["a"].step is None and s.queued_bytes == 0 and s.plan() is None
+
+
+def test_batch_invariant_plans_pad_decode_and_isolate_aligned_prefill() -> None:
+    s = Scheduler(replace(CFG, batch_invariant=True, pad_rows=8))
+    for i, key in enumerate("abc"):
+        opened(s, key, seq=i)
+    s.submit("a", 0, 3, 12, 0.0)
+    run(s, s.plan())  # type: ignore[arg-type]
+    s.submit("a", 3, 1, 4, 0.0)
+    s.submit("b", 0, 1, 4, 0.0)
+    s.submit("c", 0, 13, 52, 0.0)
+    plan = s.plan()
+    assert plan is not None
+    decode, prefill = plan.calls
+    assert decode.rows == 8 and decode.pad_rows == 6
+    assert [(c.key, c.pos, c.count) for c in prefill.chunks] == [("c", 0, 8)]
+    run(s, plan)
+    plan = s.plan()
+    assert plan is not None and [(c.pos, c.count) for c in plan.calls[0].chunks] == [(8, 5)]
+
+
+def test_config_refuses_starvation_prone_shapes() -> None:
+    with pytest.raises(ValueError, match="max_sessions"):
+        replace(CFG, max_sessions=17)
+    with pytest.raises(ValueError, match="max_prefill_tokens"):
+        replace(CFG, max_prefill_tokens=17)
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """Random opens, steps (decodes, prefills, rewinds), runs, failures and closes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cfg = SchedulerConfig(
+            max_sessions=5, kv_cells=120, n_batch=8, max_prefill_tokens=5, max_step_tokens=20,
+            queue_budget_bytes=200, batch_invariant=False,
+        )  # fmt: skip
+        self.s = Scheduler(self.cfg)
+        self.now = 0.0
+        self.keys = 0
+        self.lengths: dict[str, int] = {}  # the model: committed length per session
+        self.plans_since_submit: dict[str, int] = {}
+
+    @rule(max_tokens=st.integers(1, 70), wait=st.sampled_from([0, 0, 30]))
+    def open(self, max_tokens: int, wait: int) -> None:
+        self.keys += 1
+        key = f"k{self.keys}"
+        r = self.s.request_open(key, max_tokens, wait, self.now)
+        if isinstance(r, Session):
+            self.lengths[key] = 0
+        elif isinstance(r, Rejection):
+            assert r.reason in (Reason.KV_BUDGET, Reason.SESSION_LIMIT) and r.message
+
+    @rule(data=st.data())
+    def tick(self, data: st.DataObject) -> None:
+        self.now += data.draw(st.sampled_from([1.0, 20.0, 50.0]))
+        admitted, expired = self.s.poll_waiting(self.now)
+        for _, session in admitted:
+            self.lengths[session.key] = 0
+        for _, why in expired:
+            assert why.reason in (Reason.KV_BUDGET, Reason.SESSION_LIMIT) and why.retry_after_ms
+
+    @precondition(lambda self: self.s.sessions)
+    @rule(data=st.data())
+    def submit(self, data: st.DataObject) -> None:
+        key = data.draw(st.sampled_from(sorted(self.s.sessions)))
+        length = self.lengths[key]
+        pos = data.draw(st.integers(0, length + 1))
+        n = data.draw(st.sampled_from([1, 1, 1, 3, 7, 12, 25]))
+        r = self.s.submit(key, pos, n, 4 * n, self.now)
+        if isinstance(r, Step):
+            assert pos <= length and pos + n <= self.s.sessions[key].max_tokens
+            self.lengths[key] = pos
+            self.plans_since_submit[key] = 0
+        else:
+            assert isinstance(r, Rejection) and r.message
+            assert r.reason in (Reason.BUSY, Reason.POSITION, Reason.TOO_LARGE)
+
+    @rule(fail=st.sampled_from([False, False, False, True]))
+    def run_one(self, fail: bool) -> None:
+        decode_ready = {k for k, s in self.s.sessions.items() if s.step is not None and s.step.is_decode}
+        plan = self.s.plan()
+        if plan is None:
+            assert self.s.pending_steps == 0
+            return
+        rows = 0
+        for call in plan.calls:
+            assert call.rows <= self.cfg.n_batch
+            rows += call.rows
+        chunks = list(plan.chunks)
+        prefill_rows = sum(c.count for c in chunks if c.key not in decode_ready)
+        assert prefill_rows <= self.cfg.max_prefill_tokens
+        if prefill_rows:
+            assert decode_ready <= {c.key for c in chunks}, "a decode-ready session was left out"
+        for c in chunks:
+            assert c.pos == self.lengths[c.key], "positions must stay contiguous and in order"
+        assert len({c.key for c in chunks}) == len(chunks)
+        if fail:
+            for step in self.s.fail(plan):
+                self.lengths[step.key] = step.pos
+            return
+        for c in chunks:
+            self.lengths[c.key] = c.pos + c.count
+        self.s.commit(plan, self.now, 10.0)
+        for key in self.plans_since_submit:
+            self.plans_since_submit[key] += 1
+
+    @precondition(lambda self: self.s.sessions)
+    @rule(data=st.data())
+    def close(self, data: st.DataObject) -> None:
+        key = data.draw(st.sampled_from(sorted(self.s.sessions)))
+        assert self.s.close(key, self.now) is not None
+        del self.lengths[key]
+        self.plans_since_submit.pop(key, None)
+
+    @rule()
+    def drain(self) -> None:
+        """Every accepted step runs to completion within a bounded number of iterations."""
+        bound = sum(
+            -(-(s.step.n - s.step.done) // 1) for s in self.s.sessions.values() if s.step is not None
+        )  # at least one row of every pending step progresses per iteration it is served
+        for _ in range(bound + len(self.s.sessions) + 1):
+            if self.s.pending_steps == 0:
+                break
+            self.run_one(fail=False)
+        assert self.s.pending_steps == 0
+
+    @invariant()
+    def budgets_hold(self) -> None:
+        s = self.s
+        assert 0 <= s.kv_reserved <= self.cfg.kv_cells
+        assert s.kv_reserved == sum(x.max_tokens for x in s.sessions.values())
+        assert len(s.sessions) <= self.cfg.max_sessions
+        assert 0 <= s.queued_bytes <= self.cfg.queue_budget_bytes
+        assert s.queued_bytes == sum(x.step.nbytes for x in s.sessions.values() if x.step is not None)
+        for key, session in s.sessions.items():
+            assert session.length == self.lengths[key]
+            assert session.length <= session.max_tokens
+
+
+TestSchedulerMachine = SchedulerMachine.TestCase
+TestSchedulerMachine.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
+
+
+@given(
+    decodes=st.integers(0, 8),
+    prefill=st.lists(st.integers(2, 40), max_size=4),
+    pad=st.sampled_from([4, 8]),
+)
+def test_invariant_mode_shapes_do_not_depend_on_load(decodes: int, prefill: list[int], pad: int) -> None:
+    cfg = SchedulerConfig(
+        max_sessions=12, kv_cells=1000, n_batch=16, max_prefill_tokens=8, max_step_tokens=64,
+        queue_budget_bytes=10**6, batch_invariant=True, pad_rows=pad,
+    )  # fmt: skip
+    s = Scheduler(cfg)
+    for i in range(decodes):
+        opened(s, f"d{i}", seq=i)
+        s.submit(f"d{i}", 0, 1, 4, 0.0)
+    for j, n in enumerate(prefill):
+        opened(s, f"p{j}", max_tokens=64, seq=8 + j)
+        s.submit(f"p{j}", 0, n, 4 * n, 0.0)
+    while (plan := s.plan()) is not None:
+        for call in plan.calls:
+            keys = {c.key for c in call.chunks}
+            if any(k.startswith("d") for k in keys):
+                assert call.rows % pad == 0
+            else:
+                assert len(call.chunks) == 1
+                c = call.chunks[0]
+                assert c.pos // 8 == (c.pos + c.count - 1) // 8  # never crosses a chunk boundary
+        run(s, plan)
