@@ -82,10 +82,17 @@ class BareLoop:
             b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = tok, pos, 1, out
             b.seq_id[i][0] = seq
 
-    def decode_rate(self, prompts: Sequence[Sequence[int]], steps: int) -> tuple[float, list[list[int]]]:
-        """Prefill (untimed), then `steps` greedy decode steps of all sequences; tok/s and tokens."""
+    def decode_rate(
+        self, prompts: Sequence[Sequence[int]], steps: int, *, time_prefill: bool = False
+    ) -> tuple[float, list[list[int]]]:
+        """Prefill all prompts in one batch, then `steps` greedy decode steps of all sequences.
+
+        Returns tokens per second (decode steps only, or with `time_prefill` every generated
+        token over the whole run) and the tokens.
+        """
         mem = lc.llama_get_memory(self.ctx)
         lc.llama_memory_clear(mem, True)
+        run_start = time.perf_counter()
         rows = [(s, p, t, p == len(pr) - 1) for s, pr in enumerate(prompts) for p, t in enumerate(pr)]
         self._fill(rows)
         assert lc.llama_decode(self.ctx, self.batch) == 0
@@ -101,8 +108,10 @@ class BareLoop:
             for s in range(len(prompts)):
                 pos[s] += 1
                 tokens[s].append(last[s])
-        elapsed = time.perf_counter() - start
-        return len(prompts) * steps / elapsed, tokens
+        end = time.perf_counter()
+        if time_prefill:
+            return len(prompts) * (steps + 1) / (end - run_start), tokens
+        return len(prompts) * steps / (end - start), tokens
 
     def close(self) -> None:
         lc.llama_sampler_free(self.sampler)

@@ -77,6 +77,9 @@ class EngineConfig:
     # After answering a step, wait this long (at most 10% of the recent step time) for that
     # session's next step, so sessions stay in phase and share batches instead of drifting apart.
     linger_ms: float = 2.0
+    # While sessions decode, an iteration's prefill rows may add at most this fraction of a
+    # decode step's time (sized from measured step times), so decode latency stays bounded.
+    prefill_share: float = 1.0
 
     def context(self) -> ContextConfig:
         return ContextConfig(
@@ -151,11 +154,11 @@ class Engine:
         self._inbox_send, self._inbox = trio.open_memory_channel[tuple[Request, ReplyTo]](config.inbox_size)
         self._limiter = trio.CapacityLimiter(1)
         self._waiter_replies: dict[int, tuple[OpenRequest, ReplyTo]] = {}
-        self._kv_used_peak = 0
         self.draining = False
         self.stopped = trio.Event()
         self._idle_scope: trio.CancelScope | None = None
         self._coming_back: set[Any] = set()  # answered last iteration, next step not yet here
+        self._pace = _Pace()
 
     # -- the API other tasks use ----------------------------------------------------
 
@@ -215,7 +218,7 @@ class Engine:
                         self._reject_waiter(waiter, why)
                     if self.scheduler.pending_steps == 0:
                         return
-                plan = self.scheduler.plan()
+                plan = self.scheduler.plan(self._pace.prefill_budget(self.config.prefill_share))
                 if plan is None:
                     await self._wait_for_work()
                     continue
@@ -307,6 +310,7 @@ class Engine:
     def _bind_and_reply(self, request: OpenRequest, session: Session, reply: ReplyTo) -> None:
         session.seq = self.backend.open_sequence(request.sampling)
         self.telemetry.admissions_total += 1
+        self.telemetry.kv_reserved_peak = max(self.telemetry.kv_reserved_peak, self.scheduler.kv_reserved)
         if not reply(Opened(request.session, session.max_tokens)):
             self._close(session.key, "the requester is gone")
 
@@ -403,6 +407,7 @@ class Engine:
         decode_rows = sum(c.count for c in call.chunks if self._is_decode(c.key))
         prefill_rows = sum(c.count for c in call.chunks) - decode_rows
         self.telemetry.record_batch(time.monotonic(), call.rows, prefill_rows, decode_rows, seconds)
+        self._pace.observe(decode_rows, prefill_rows, seconds * 1000)
         finished: list[tuple[_Work, SegmentResult]] = []
         for chunk, result in zip(call.chunks, results, strict=False):
             work: _Work = self.scheduler.sessions[chunk.key].step.payload  # type: ignore[union-attr,assignment]
@@ -505,6 +510,28 @@ class Engine:
             "errors_total": dict(t.errors),
             "draining": self.draining,
         }
+
+
+@dataclass(slots=True)
+class _Pace:
+    """Measured cost of a decode step and of one prefill token, for sizing prefill chunks."""
+
+    decode_ms: float | None = None
+    prefill_token_ms: float | None = None
+
+    def observe(self, decode_rows: int, prefill_rows: int, ms: float) -> None:
+        if prefill_rows == 0:
+            self.decode_ms = ms if self.decode_ms is None else self.decode_ms + 0.2 * (ms - self.decode_ms)
+            return
+        base = self.decode_ms if decode_rows and self.decode_ms is not None else 0.0
+        per_token = max(ms - base, 0.0) / prefill_rows
+        old = self.prefill_token_ms
+        self.prefill_token_ms = per_token if old is None else old + 0.2 * (per_token - old)
+
+    def prefill_budget(self, share: float) -> int | None:
+        if self.decode_ms is None or not self.prefill_token_ms:
+            return None
+        return max(1, int(share * self.decode_ms / self.prefill_token_ms))
 
 
 def _now_ms() -> float:

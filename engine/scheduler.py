@@ -288,8 +288,12 @@ class Scheduler:
 
     # -- planning ----------------------------------------------------------------
 
-    def plan(self) -> Plan | None:
-        """The next iteration's llama_decode calls, or None when there is nothing to run."""
+    def plan(self, prefill_budget: int | None = None) -> Plan | None:
+        """The next iteration's llama_decode calls, or None when there is nothing to run.
+
+        `prefill_budget` lowers the prefill rows of an iteration that also carries decodes
+        (the engine sizes it from measured step times); invariant mode keeps fixed chunks.
+        """
         cfg = self.config
         decodes = sorted(
             (s for s in self.sessions.values() if s.step is not None and s.step.is_decode),
@@ -305,6 +309,8 @@ class Scheduler:
             calls += [Call((c,)) for c in prefill]
         else:
             budget = min(cfg.n_batch - len(decode_chunks), cfg.max_prefill_tokens)
+            if decode_chunks and prefill_budget is not None:
+                budget = min(budget, max(1, prefill_budget))
             chunks = decode_chunks + tuple(self._prefill_chunks(budget, aligned=False))
             if chunks:
                 calls.append(Call(chunks))

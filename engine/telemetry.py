@@ -64,6 +64,9 @@ class Telemetry:
     batches_total: int = 0
     batch_rows_last: int = 0
     batch_rows_sum: int = 0
+    decode_batches_total: int = 0
+    decode_rows_sum: int = 0
+    kv_reserved_peak: int = 0
     prefill_tokens_total: int = 0
     decode_tokens_total: int = 0
     prefill_window: RateWindow = field(default_factory=RateWindow)
@@ -74,6 +77,9 @@ class Telemetry:
         self.batches_total += 1
         self.batch_rows_last = rows
         self.batch_rows_sum += rows
+        if decode:
+            self.decode_batches_total += 1
+            self.decode_rows_sum += decode
         self.prefill_tokens_total += prefill
         self.decode_tokens_total += decode
         self.prefill_window.add(now, prefill)
