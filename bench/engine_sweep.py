@@ -12,6 +12,7 @@ Writes evidence/engine_sweep.json.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import sys
 import time
@@ -99,16 +100,20 @@ def ms(values: list[float], q: float) -> float:
     return round(float(np.percentile(values, q)) * 1000, 2) if values else 0.0
 
 
-async def sweep(args: argparse.Namespace, cfg: EngineConfig, bare: BareLoop) -> dict[str, Any]:
+async def sweep(args: argparse.Namespace, cfg: EngineConfig) -> dict[str, Any]:
     results = []
     async with open_engine(cfg) as engine:
+        # The bare loop runs on the engine's compute thread: one OpenMP team in the process
+        # (a second calling thread would bring a second team spinning on the same cores).
+        bare = await engine.compute.run(BareLoop, cfg.model, cfg.context())
         for concurrency in (1, 2, 4, 8):
             prompts = prompt_tokens(engine.backend, concurrency)
             ours, theirs, traces_all, peaks, occ = [], [], [], [], []
             for rep in range(args.reps):
                 for side in ("bare", "engine") if rep % 2 == 0 else ("engine", "bare"):
                     if side == "bare":
-                        theirs.append(bare.decode_rate(prompts, args.steps, time_prefill=True)[0])
+                        run = functools.partial(bare.decode_rate, prompts, args.steps, time_prefill=True)
+                        theirs.append((await engine.compute.run(run))[0])
                         continue
                     t = engine.telemetry
                     before = (t.decode_batches_total, t.decode_rows_sum)
@@ -139,6 +144,7 @@ async def sweep(args: argparse.Namespace, cfg: EngineConfig, bare: BareLoop) -> 
             }
             results.append(row)
             print(table([row], COLUMNS), flush=True)
+        await engine.compute.run(bare.close)
         interference = await measure_interference(engine, args.steps)
     return {"results": results, "interference": interference}
 
@@ -198,9 +204,7 @@ def main() -> int:
         model=model, max_sessions=8, kv_cells=4096, n_batch=512, n_ubatch=512, n_threads=2,
         max_prefill_tokens=args.max_prefill, max_step_tokens=512,
     )  # fmt: skip
-    bare = BareLoop(model, cfg.context())
-    out = trio.run(sweep, args, cfg, bare)
-    bare.close()
+    out = trio.run(sweep, args, cfg)
     out.update(trio.run(invariant, args, cfg))
     path = write_evidence(
         "engine_sweep.json",

@@ -3,8 +3,8 @@
 Requests arrive through a bounded inbox (`submit` never blocks: a full inbox is
 `busy` at once). Between decode steps the engine task drains the inbox, admits and
 expires waiting opens, plans the next iteration, and runs each llama_decode call in
-a worker thread under a CapacityLimiter(1). Nothing else touches the backend, so a
-decode never races a rewind or a close.
+one dedicated compute thread (one OpenMP team: see compute_thread). Nothing else
+touches the backend meanwhile, so a decode never races a rewind or a close.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from engine.backend import (
     StageBackend,
 )
 from engine.budgets import BudgetError, Budgets, KvShape, Limits, kv_layout
+from engine.compute_thread import ComputeThread
 from engine.gguf_facts import ModelFacts, read_facts
 from engine.messages import (
     Closed,
@@ -43,6 +44,7 @@ from engine.messages import (
     ReplyTo,
     Request,
     Result,
+    Rollback,
     StepDone,
     StepRequest,
 )
@@ -127,8 +129,11 @@ def plan_budgets(config: EngineConfig, facts: ModelFacts) -> tuple[Budgets, int]
 class Engine:
     """Sessions of one stage, batched continuously. Use `open_engine`."""
 
-    def __init__(self, config: EngineConfig, backend: StageBackend, budgets: Budgets, cells: int) -> None:
+    def __init__(
+        self, config: EngineConfig, backend: StageBackend, budgets: Budgets, cells: int, compute: ComputeThread
+    ) -> None:
         self.config = config
+        self.compute = compute
         self.backend = backend
         self.info = backend.info
         pad_reserve = config.pad_rows if config.batch_invariant else 0
@@ -152,7 +157,6 @@ class Engine:
         self.iterations: list[IterationRecord] = []
         self.pad_seq = backend.open_sequence() if config.batch_invariant else None
         self._inbox_send, self._inbox = trio.open_memory_channel[tuple[Request, ReplyTo]](config.inbox_size)
-        self._limiter = trio.CapacityLimiter(1)
         self._waiter_replies: dict[int, tuple[OpenRequest, ReplyTo]] = {}
         self.draining = False
         self.stopped = trio.Event()
@@ -287,6 +291,8 @@ class Engine:
         elif isinstance(request, CloseRequest):
             existed = self._close((request.owner, request.session), "the session was closed")
             reply(Closed(request.session, existed))
+        elif isinstance(request, Rollback):
+            reply(self._rollback(request))
         else:
             for key in [k for k in self.scheduler.sessions if k[0] == request.owner]:
                 self._close(key, "the session's connection is gone")
@@ -351,6 +357,17 @@ class Engine:
         if rewind:
             self.backend.rewind(session.seq, request.pos)
 
+    def _rollback(self, request: Rollback) -> Result:
+        session = self.scheduler.sessions.get((request.owner, request.session))
+        if session is None:
+            return Closed(request.session, existed=False)
+        if session.step is None and request.pos <= session.length and self.backend.can_rewind(session.seq, request.pos):
+            self.backend.rewind(session.seq, request.pos)
+            session.length = request.pos
+            return Closed(request.session, existed=True)
+        self._close(session.key, "the session could not be rolled back")
+        return Closed(request.session, existed=False)
+
     def _close(self, key: Any, why: str) -> bool:
         self._coming_back.discard(key)
         session = self.scheduler.close(key, _now_ms())
@@ -395,7 +412,7 @@ class Engine:
         segments = self._segments(call)
         started = time.perf_counter()
         try:
-            results = await trio.to_thread.run_sync(self._decode_in_thread, segments, limiter=self._limiter)
+            results = await self.compute.run(self._decode_in_thread, segments)
         except (DecodeFailed, Refused, RuntimeError, ValueError) as exc:
             log.error("batch failed: %s", exc)
             self._fail(plan, str(exc))
@@ -543,20 +560,24 @@ async def open_engine(config: EngineConfig) -> AsyncIterator[Engine]:
     """Load the stage, run its batch loop in a nursery, and drain it on exit."""
     facts = read_facts(config.model)
     budgets, cells = plan_budgets(config, facts)
-    backend = await trio.to_thread.run_sync(StageBackend, config.model, config.context())
+    compute = ComputeThread()
     try:
-        engine = Engine(config, backend, budgets, cells)
-        problems = engine.budgets.violations(config.limits)
-        if problems:
-            raise BudgetError("configuration does not fit: " + "; ".join(problems))
-        async with trio.open_nursery() as nursery:
-            await nursery.start(engine.run)
-            try:
-                yield engine
-            finally:
-                engine.begin_shutdown()
-                with trio.move_on_after(config.drain_timeout_s):
-                    await engine.stopped.wait()
-                nursery.cancel_scope.cancel()
+        backend = await compute.run(StageBackend, config.model, config.context())
+        try:
+            engine = Engine(config, backend, budgets, cells, compute)
+            problems = engine.budgets.violations(config.limits)
+            if problems:
+                raise BudgetError("configuration does not fit: " + "; ".join(problems))
+            async with trio.open_nursery() as nursery:
+                await nursery.start(engine.run)
+                try:
+                    yield engine
+                finally:
+                    engine.begin_shutdown()
+                    with trio.move_on_after(config.drain_timeout_s):
+                        await engine.stopped.wait()
+                    nursery.cancel_scope.cancel()
+        finally:
+            backend.close()
     finally:
-        backend.close()
+        compute.close()

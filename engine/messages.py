@@ -50,13 +50,22 @@ class CloseRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class Rollback:
+    """Undo a completed step whose result could not be delivered downstream: back to `pos`."""
+
+    owner: Owner
+    session: str
+    pos: int
+
+
+@dataclass(frozen=True, slots=True)
 class DropOwner:
     """The owner's connection is gone: free all its sessions."""
 
     owner: Owner
 
 
-Request = OpenRequest | StepRequest | CloseRequest | DropOwner
+Request = OpenRequest | StepRequest | CloseRequest | Rollback | DropOwner
 
 
 @dataclass(frozen=True, slots=True)
