@@ -142,7 +142,7 @@ class Engine:
                 max_sessions=config.max_sessions,
                 kv_cells=cells - pad_reserve,
                 n_batch=config.n_batch,
-                max_prefill_tokens=config.max_prefill_tokens,
+                max_prefill_tokens=min(config.max_prefill_tokens, config.n_batch),
                 max_step_tokens=min(config.max_step_tokens, cells),
                 queue_budget_bytes=config.queue_budget_bytes,
                 max_waiting_opens=config.max_waiting_opens,
@@ -545,9 +545,11 @@ class _Pace:
         old = self.prefill_token_ms
         self.prefill_token_ms = per_token if old is None else old + 0.2 * (per_token - old)
 
-    def prefill_budget(self, share: float) -> int | None:
+    PROBE_TOKENS = 8  # the first prefill beside decodes is small: its cost is not known yet
+
+    def prefill_budget(self, share: float) -> int:
         if self.decode_ms is None or not self.prefill_token_ms:
-            return None
+            return self.PROBE_TOKENS
         return max(1, int(share * self.decode_ms / self.prefill_token_ms))
 
 

@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+from engine.budgets import BudgetError
 from neuron_tai.shard import ShardError, read_model_layers, stage_bounds, write_shard, write_stages
+
+if TYPE_CHECKING:
+    from neuron_tai.node import NodeConfig
+
+log = logging.getLogger("neuron_tai")
 
 
 def _layers(text: str) -> tuple[int, int]:
@@ -38,6 +48,122 @@ def _cmd_shard(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bytes(text: str) -> int:
+    """A size like 64M, 2G or 1048576."""
+    units = {"k": 2**10, "m": 2**20, "g": 2**30}
+    try:
+        if text[-1:].lower() in units:
+            return int(float(text[:-1]) * units[text[-1].lower()])
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a size like 512M or 2G, got {text!r}") from None
+
+
+def shard_cache_path(model: Path, a: int, b: int) -> Path:
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "neuron-tai" / "shards"
+    return cache / f"{model.stem}.layers-{a}-{b}.gguf"
+
+
+def _stage_model(model: Path, layers: tuple[int, int] | None) -> Path:
+    """The model file a node serves: the model itself, or a cached shard of --layers."""
+    if layers is None:
+        return model
+    out = shard_cache_path(model, *layers)
+    if not out.exists() or out.stat().st_mtime < model.stat().st_mtime:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        log.info("writing shard %s", out)
+        write_shard(model, layers[0], layers[1], out)
+    return out
+
+
+def node_config(args: argparse.Namespace) -> NodeConfig:
+    from engine.budgets import Limits  # noqa: PLC0415 - keep `neuron-tai shard` light
+    from engine.engine import EngineConfig  # noqa: PLC0415
+    from neuron_tai.node import NodeConfig  # noqa: PLC0415
+
+    engine = EngineConfig(
+        model=_stage_model(args.model, args.layers),
+        max_sessions=args.max_sessions,
+        kv_cells=args.kv_cells,
+        n_batch=args.n_batch,
+        n_ubatch=min(args.n_batch, args.n_ubatch),
+        n_threads=args.threads,
+        kv_type=args.kv_type,
+        flash_attn={"auto": None, "on": True, "off": False}[args.flash_attn],
+        max_prefill_tokens=min(args.max_prefill, args.n_batch),
+        max_step_tokens=args.max_step_tokens,
+        queue_budget_bytes=args.queue_budget,
+        batch_invariant=args.batch_invariant,
+        pad_rows=args.pad_rows,
+        idle_timeout_s=args.idle_timeout or None,
+        limits=Limits(weights=args.weight_budget, kv=args.kv_budget, scratch=args.scratch_budget),
+    )
+    return NodeConfig(
+        engine=engine,
+        bind=args.bind,
+        next=args.next,
+        max_message_bytes=args.max_message_bytes,
+        downstream_timeout_s=args.downstream_timeout,
+        metrics_port=args.metrics_port,
+    )
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import trio  # noqa: PLC0415
+
+    from neuron_tai.node import open_node  # noqa: PLC0415
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("llama.cpp").setLevel(logging.ERROR)
+    config = node_config(args)
+
+    async def serve() -> None:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async with open_node(config) as node:
+                print(f"ready {node.address}", flush=True)
+                async for signum in signals:
+                    log.info("%s: draining in-flight work, refusing new work", signal.Signals(signum).name)
+                    break
+        log.info("stopped")
+
+    trio.run(serve)
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    import trio  # noqa: PLC0415
+
+    from neuron_tai.client import open_client  # noqa: PLC0415
+
+    sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed}
+
+    async def run() -> None:
+        async with open_client(args.addr, timeout_s=args.timeout) as client:
+            async for piece in client.generate(args.prompt, args.max_tokens, sampling=sampling):
+                print(piece, end="", flush=True)
+            print()
+
+    trio.run(run)
+    return 0
+
+
+def _cmd_stats(args: argparse.Namespace) -> int:
+    import trio  # noqa: PLC0415
+
+    from neuron_tai.client import open_client  # noqa: PLC0415
+
+    async def run() -> dict[str, Any]:
+        async with open_client(args.addr, timeout_s=args.timeout, retries=0) as client:
+            return await client.stats()
+
+    stats = trio.run(run)
+    width = max(map(len, stats))
+    for name, value in stats.items():
+        shown = f"count {value['count']}, sum {value['sum']}s" if name == "step_seconds" else value
+        print(f"{name.ljust(width)}  {shown}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="neuron-tai", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -56,6 +182,55 @@ def build_parser() -> argparse.ArgumentParser:
     how.add_argument("--split", type=_split, metavar="B1,B2", help="split at these layer boundaries")
     shard.add_argument("-o", "--output", type=Path, required=True, help="output file (--layers) or directory")
     shard.set_defaults(run=_cmd_shard)
+
+    serve = sub.add_parser(
+        "serve",
+        help="serve a model or a layer range over ZeroMQ",
+        description="Serve one stage on a ROUTER socket (PROTOCOL.md v1). Prints 'ready ADDRESS' when "
+        "it accepts requests; SIGINT or SIGTERM drains in-flight work and stops.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    serve.add_argument("model", type=Path, help="GGUF model or shard")
+    serve.add_argument("--layers", type=_layers, metavar="A:B", help="serve only layers A..B-1 (shard cached)")
+    serve.add_argument("--bind", default="tcp://127.0.0.1:5555", help="ZeroMQ address to bind")
+    serve.add_argument("--next", metavar="ADDR", help="address of the next stage: forward results there")
+    serve.add_argument("--max-sessions", type=int, default=8, help="sessions served at once")
+    serve.add_argument("--kv-cells", type=int, default=4096, help="KV cells shared by all sessions")
+    serve.add_argument("--kv-type", choices=["f16", "f32"], default="f16", help="KV cache element type")
+    serve.add_argument("--n-batch", type=int, default=512, help="rows one llama_decode call may carry")
+    serve.add_argument("--n-ubatch", type=int, default=512, help="rows llama.cpp computes at once")
+    serve.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama.cpp threads")
+    serve.add_argument("--flash-attn", choices=["auto", "on", "off"], default="auto", help="flash attention")
+    serve.add_argument("--max-prefill", type=int, default=256, help="most prefill tokens per iteration")
+    serve.add_argument("--max-step-tokens", type=int, default=512, help="most tokens one step may carry")
+    serve.add_argument("--queue-budget", type=_bytes, default=64 * 2**20, help="bytes of queued step payloads")
+    serve.add_argument("--weight-budget", type=_bytes, help="refuse to start if the weights need more")
+    serve.add_argument("--kv-budget", type=_bytes, help="refuse to start if the KV cache needs more")
+    serve.add_argument("--scratch-budget", type=_bytes, help="refuse to start if compute buffers need more")
+    serve.add_argument("--batch-invariant", action="store_true", help="pad decode batches: load-independent outputs")
+    serve.add_argument("--pad-rows", type=int, default=8, help="decode rows are padded to a multiple of this")
+    serve.add_argument("--idle-timeout", type=float, default=600.0, help="close sessions idle this long (s; 0 off)")
+    serve.add_argument("--max-message-bytes", type=_bytes, default=64 * 2**20, help="ZMQ_MAXMSGSIZE")
+    serve.add_argument("--downstream-timeout", type=float, default=30.0, help="seconds to wait for the next stage")
+    serve.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.set_defaults(run=_cmd_serve)
+
+    gen = sub.add_parser("generate", help="stream a completion from a node or chain head")
+    gen.add_argument("prompt")
+    gen.add_argument("--addr", default="tcp://127.0.0.1:5555")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--timeout", type=float, default=60.0)
+    gen.set_defaults(run=_cmd_generate)
+
+    stats = sub.add_parser("stats", help="print a node's telemetry")
+    stats.add_argument("--addr", default="tcp://127.0.0.1:5555")
+    stats.add_argument("--timeout", type=float, default=10.0)
+    stats.set_defaults(run=_cmd_stats)
     return parser
 
 
@@ -63,7 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.run(args))
-    except ShardError as exc:
+    except (ShardError, BudgetError, ValueError, OSError) as exc:
         print(f"neuron-tai: error: {exc}", file=sys.stderr)
         return 2
 

@@ -1,0 +1,183 @@
+"""A Trio client for a node (or the head of a chain).
+
+    async with open_client("tcp://127.0.0.1:5555") as client:
+        async for piece in client.generate("Once upon a time", max_new_tokens=32):
+            print(piece, end="")
+
+Requests time out (`timeout_s`); steps and the read-only operations are retried on
+timeout, which is safe because a resent step rewinds to its `pos` (PROTOCOL.md).
+"""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import trio
+import zmq
+
+from transport.pump import SocketPump
+from transport.trio_zmq import TrioSocket
+from transport.wire import decode_reply, encode
+
+
+class NodeError(Exception):
+    """An `error` reply: `code` is a PROTOCOL.md error code."""
+
+    def __init__(self, code: str, message: str, retry_after_ms: int | None = None) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.retry_after_ms = retry_after_ms
+
+
+@dataclass(frozen=True, slots=True)
+class StepReply:
+    header: dict[str, Any]
+    token: int | None = None
+    logits: npt.NDArray[np.float32] | None = None
+    hidden: npt.NDArray[np.float32] | None = None
+
+
+class Client:
+    def __init__(self, sock: TrioSocket, timeout_s: float, retries: int) -> None:
+        self.sock = sock
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.pump = SocketPump(sock, self._on_message)
+        self._rids = itertools.count(1)
+        self._waiting: dict[int, trio.MemorySendChannel[tuple[dict[str, Any], list[bytes]]]] = {}
+
+    def _on_message(self, frames: list[bytes]) -> None:
+        try:
+            header, payload = decode_reply(frames)
+        except Exception:
+            return
+        send = self._waiting.pop(header.get("rid", -1), None)
+        if send is not None:
+            send.send_nowait((header, payload))
+
+    async def request(
+        self, header: dict[str, Any], *payload: bytes, retry: bool = True
+    ) -> tuple[dict[str, Any], list[bytes]]:
+        """Send one request and wait for its reply; NodeError for an `error` reply."""
+        attempts = 1 + (self.retries if retry else 0)
+        for attempt in range(attempts):
+            rid = next(self._rids)
+            send, recv = trio.open_memory_channel[tuple[dict[str, Any], list[bytes]]](1)
+            self._waiting[rid] = send
+            try:
+                if not self.pump.send_nowait(encode({**header, "rid": rid}, *payload)):
+                    raise NodeError("busy", "the client's outbox is full")
+                with trio.move_on_after(self.timeout_s):
+                    reply, frames = await recv.receive()
+                    if reply.get("op") == "error":
+                        raise NodeError(str(reply.get("code")), str(reply.get("message")), reply.get("retry_after_ms"))
+                    return reply, frames
+            finally:
+                self._waiting.pop(rid, None)
+            if attempt + 1 == attempts:
+                break
+        raise TimeoutError(f"no reply to {header.get('op')!r} within {self.timeout_s}s ({attempts} attempts)")
+
+    async def ping(self) -> float:
+        start = trio.current_time()
+        await self.request({"op": "ping"})
+        return trio.current_time() - start
+
+    async def stats(self) -> dict[str, Any]:
+        return (await self.request({"op": "stats"}))[0]["stats"]  # type: ignore[no-any-return]
+
+    async def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        _, frames = await self.request({"op": "tokenize", "text": text, "add_special": add_special})
+        return [int(t) for t in np.frombuffer(frames[0], "<i4")]
+
+    async def detokenize(self, tokens: list[int]) -> str:
+        reply, _ = await self.request({"op": "detokenize"}, np.array(tokens, "<i4").tobytes())
+        return str(reply["text"])
+
+    async def open(
+        self, session: str, max_tokens: int, *, sampling: dict[str, Any] | None = None, wait_ms: int = 0
+    ) -> dict[str, Any]:
+        header: dict[str, Any] = {"op": "open", "session": session, "max_tokens": max_tokens, "wait_ms": wait_ms}
+        if sampling:
+            header["sampling"] = sampling
+        return (await self.request(header, retry=False))[0]
+
+    async def close(self, session: str) -> bool:
+        return bool((await self.request({"op": "close", "session": session}))[0]["existed"])
+
+    async def step(
+        self,
+        session: str,
+        pos: int,
+        *,
+        tokens: list[int] | npt.NDArray[np.int32] | None = None,
+        hidden: npt.NDArray[np.float32] | None = None,
+        out: str = "token",
+        out_dtype: str = "f32",
+    ) -> StepReply:
+        header: dict[str, Any] = {"op": "step", "session": session, "pos": pos, "out": out, "out_dtype": out_dtype}
+        if tokens is not None:
+            data = np.asarray(tokens, "<i4")
+            header.update(input="tokens", n=len(data))
+        else:
+            assert hidden is not None
+            data = np.asarray(hidden, "<f4")
+            header.update(input="hidden", n=len(data), dtype="f32")
+        reply, frames = await self.request(header, data.tobytes())
+        if out == "token":
+            return StepReply(reply, token=int(np.frombuffer(frames[0], "<i4")[0]))
+        if out == "logits":
+            return StepReply(reply, logits=np.frombuffer(frames[0], "<f4").copy())
+        dtype = "<f2" if reply.get("dtype") == "f16" else "<f4"
+        return StepReply(reply, hidden=np.frombuffer(frames[0], dtype).astype(np.float32).reshape(reply["n"], -1))
+
+    async def generate(
+        self, prompt: str, max_new_tokens: int = 64, *, sampling: dict[str, Any] | None = None, wait_ms: int = 0
+    ) -> AsyncIterator[str]:
+        """Stream the text of a completion as it is produced; the session is closed at the end."""
+        ids = await self.tokenize(prompt)
+        session = uuid.uuid4().hex
+        opened = await self.open(session, len(ids) + max_new_tokens, sampling=sampling, wait_ms=wait_ms)
+        eog = set(opened.get("stage", {}).get("eog_tokens", []))
+        out: list[int] = []
+        shown = ""
+        try:
+            step = await self.step(session, 0, tokens=ids)
+            while step.token is not None and step.token not in eog:
+                out.append(step.token)
+                text = await self.detokenize(out)
+                if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+                    yield text[len(shown) :]
+                    shown = text
+                if len(out) >= max_new_tokens:
+                    break
+                step = await self.step(session, len(ids) + len(out) - 1, tokens=[out[-1]])
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(self.timeout_s):
+                await self.close(session)
+
+
+@asynccontextmanager
+async def open_client(address: str, *, timeout_s: float = 30.0, retries: int = 2) -> AsyncIterator[Client]:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    client = Client(TrioSocket(sock), timeout_s, retries)
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(client.pump.run)
+            try:
+                yield client
+            finally:
+                nursery.cancel_scope.cancel()
+    finally:
+        sock.close(linger=0)

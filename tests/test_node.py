@@ -1,0 +1,343 @@
+"""The node over tcp://127.0.0.1: protocol v1, chaining, errors, bad peers."""
+
+from __future__ import annotations
+
+import functools
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+import trio
+import zmq
+
+from engine.backend import DecodeFailed, DecodeOutcome
+from engine.engine import EngineConfig
+from neuron_tai.client import Client, NodeError, open_client
+from neuron_tai.node import Node, NodeConfig, open_node
+from tests.nodes import NodeProcess, running
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def engine_config(model: Path, **kw: Any) -> EngineConfig:
+    base: dict[str, Any] = {
+        "max_sessions": 4, "kv_cells": 1024, "n_batch": 64, "n_ubatch": 64, "kv_type": "f32", "flash_attn": False,
+        "max_step_tokens": 128, "queue_budget_bytes": 1 << 20, "drain_timeout_s": 5.0,
+    }  # fmt: skip
+    return EngineConfig(model=model, **{**base, **kw})
+
+
+@asynccontextmanager
+async def node_and_client(model: Path, **kw: Any) -> AsyncIterator[tuple[Node, Client]]:
+    async with (
+        open_node(NodeConfig(engine_config(model, **kw), bind="tcp://127.0.0.1:0")) as node,
+        open_client(node.address, timeout_s=10) as client,
+    ):
+        yield node, client
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return [1, *rng.integers(3, 268, n - 1).tolist()]
+
+
+async def logits_run(client: Client, session: str, ids: list[int], steps: int) -> list[np.ndarray]:
+    await client.open(session, len(ids) + steps + 1)
+    r = await client.step(session, 0, tokens=ids, out="logits")
+    trace = []
+    for i in range(steps):
+        assert r.logits is not None
+        trace.append(r.logits)
+        r = await client.step(session, len(ids) + i, tokens=[int(np.argmax(r.logits))], out="logits")
+    await client.close(session)
+    return trace
+
+
+def test_three_stage_chain_is_bit_identical_to_one_node(
+    tiny_model: Path, tiny_shards3: list[Path], tmp_path: Path
+) -> None:
+    ports = [free_port() for _ in range(4)]
+    addr = [f"tcp://127.0.0.1:{p}" for p in ports]
+    single = NodeProcess(tiny_model, addr[0])
+    tail = NodeProcess(tiny_shards3[2], addr[3])
+    mid = NodeProcess(tiny_shards3[1], addr[2], ["--next", addr[3]])
+    head = NodeProcess(tiny_shards3[0], addr[1], ["--next", addr[2]])
+
+    async def compare() -> None:
+        async with open_client(addr[0]) as one, open_client(addr[1]) as chain:
+            for seed in (1, 2):
+                ids = prompt(seed, 9)
+                assert [a.tobytes() for a in await logits_run(one, "s", ids, 16)] == [
+                    b.tobytes() for b in await logits_run(chain, "s", ids, 16)
+                ]
+            opened = await chain.open("x", 10)
+            assert opened["stage"]["first"] and opened["stage"]["last"] and opened["stage"]["layers"] == [0, 4]
+            text_one = "".join([p async for p in one.generate("the cat", 8)])
+            text_chain = "".join([p async for p in chain.generate("the cat", 8)])
+            assert text_one == text_chain
+
+    with running(single, tail, mid, head):
+        trio.run(compare)
+        assert head.stop() == 0 and mid.stop() == 0 and tail.stop() == 0 and single.stop() == 0
+
+
+def test_killed_downstream_rolls_back_and_recovers_after_restart(tiny_shards2: list[Path]) -> None:
+    addr = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
+    tail = NodeProcess(tiny_shards2[1], addr[1])
+    head = NodeProcess(tiny_shards2[0], addr[0], ["--next", addr[1]])
+    ids = prompt(5, 7)
+
+    with running(tail, head):
+
+        async def run_all() -> None:
+            expected = await before_kill_same_client()
+            tail.kill()
+            await while_dead_same_client(expected)
+            tail.start()
+            await after_restart_same_client(expected)
+
+        # One connection for the whole story: sessions belong to the connection that opened them.
+        client_box: dict[str, Client] = {}
+
+        async def before_kill_same_client() -> list[int]:
+            c = client_box["c"]
+            await c.open("s", 64)
+            first = await c.step("s", 0, tokens=ids)
+            second = await c.step("s", 7, tokens=[first.token or 0])
+            return [first.token or 0, second.token or 0]
+
+        async def while_dead_same_client(expected: list[int]) -> None:
+            c = client_box["c"]
+            c.retries = 0
+            with pytest.raises(NodeError) as info:
+                await c.step("s", 8, tokens=[expected[1]])
+            assert info.value.code == "downstream"
+            stats = await c.stats()
+            assert stats["sessions_active"] == 1 and stats["downstream"]["failures_total"] >= 1
+            # Rolled back: the session still holds 8 positions, so pos 9 is a gap.
+            with pytest.raises(NodeError) as gap:
+                await c.step("s", 9, tokens=[1])
+            assert gap.value.code == "position"
+
+        async def after_restart_same_client(expected: list[int]) -> None:
+            c = client_box["c"]
+            again = await c.step("s", 0, tokens=ids)
+            assert again.token == expected[0]
+            second = await c.step("s", 7, tokens=[expected[0]])
+            assert second.token == expected[1]
+
+        async def main() -> None:
+            async with open_client(addr[0], timeout_s=20) as c:
+                client_box["c"] = c
+                await run_all()
+
+        trio.run(main)
+
+
+async def raw_request(address: str, frames: list[bytes]) -> dict[str, Any]:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    try:
+        sock.send_multipart(frames)
+        for _ in range(500):
+            try:
+                reply = sock.recv_multipart(zmq.NOBLOCK)
+                return msgpack.unpackb(reply[0])  # type: ignore[no-any-return]
+            except zmq.Again:
+                await trio.sleep(0.01)
+        raise AssertionError("no reply")
+    finally:
+        sock.close()
+
+
+async def test_every_error_code_is_answered(tiny_model: Path, tiny_shards2: list[Path]) -> None:
+    limits = {"max_sessions": 2, "kv_cells": 512, "max_step_tokens": 32, "max_prefill_tokens": 2}
+    async with node_and_client(tiny_model, **limits) as (node, c):
+        seen: dict[str, dict[str, Any]] = {}
+
+        async def expect(code: str, coro: Any) -> None:
+            with pytest.raises(NodeError) as info:
+                await coro
+            assert info.value.code == code, info.value
+            seen[code] = {"retry": info.value.retry_after_ms}
+
+        reply = await raw_request(node.address, [b"\x93garbage"])
+        assert reply["op"] == "error" and reply["code"] == "bad_request" and reply["rid"] is None
+        seen["bad_request"] = {}
+        reply = await raw_request(node.address, [msgpack.packb({"v": 9, "op": "ping", "rid": 4})])
+        assert reply["code"] == "unsupported_version" and reply["rid"] == 4
+        seen["unsupported_version"] = {}
+        await expect("unknown_session", c.step("nope", 0, tokens=[1]))
+        await c.open("a", 100)
+        await expect("session_exists", c.open("a", 10))
+        await expect("position", c.step("a", 3, tokens=[1]))
+        await expect("too_large", c.step("a", 0, tokens=[1] * 33))
+        await expect("wrong_stage", c.step("a", 0, tokens=[1], out="hidden"))
+        await expect("kv_budget", c.open("b", 500))
+        await c.open("b", 100)
+        await expect("session_limit", c.open("c", 10))
+        assert seen["kv_budget"]["retry"] and seen["session_limit"]["retry"]
+        # busy: a second step for a session whose step is still queued.
+        # (2 prefill tokens per iteration: the 32-token step stays queued for 16 iterations.)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(functools.partial(c.step, "a", 0, tokens=prompt(1, 32)))
+            while node.engine.scheduler.pending_steps == 0:
+                await trio.sleep(0)
+            await expect("busy", c.step("a", 0, tokens=[1]))
+        assert seen["busy"]["retry"]
+        # internal: the backend fails one batch; the session is rolled back.
+        original = node.engine.backend.decode
+
+        def failing(segments: Any) -> Any:
+            node.engine.backend.decode = original  # type: ignore[method-assign]
+            raise DecodeFailed(DecodeOutcome.FATAL, -3)
+
+        node.engine.backend.decode = failing  # type: ignore[method-assign]
+        await expect("internal", c.step("b", 0, tokens=[1, 5, 6]))
+        await expect("position", c.step("b", 1, tokens=[5]))  # nothing was kept
+        assert (await c.step("b", 0, tokens=[1, 5, 6])).token is not None
+        # shutting_down: the engine drains and refuses new work.
+        node.engine.begin_shutdown()
+        await expect("shutting_down", c.open("z", 10))
+    # downstream: a chain whose next stage is not there.
+    cfg = NodeConfig(engine_config(tiny_shards2[0]), bind="tcp://127.0.0.1:0",
+                     next=f"tcp://127.0.0.1:{free_port()}", downstream_timeout_s=0.5)  # fmt: skip
+    async with open_node(cfg) as head, open_client(head.address, timeout_s=5, retries=0) as c:
+        await expect("downstream", c.open("s", 10))
+        assert (await c.stats())["sessions_active"] == 0
+    protocol_codes = {"bad_request", "unsupported_version", "unknown_session", "session_exists", "position",
+                      "too_large", "wrong_stage", "busy", "kv_budget", "session_limit", "downstream", "internal",
+                      "shutting_down"}  # fmt: skip
+    assert protocol_codes <= set(seen)
+
+
+async def test_malformed_traffic_does_not_disturb_valid_sessions(tiny_model: Path) -> None:
+    async with node_and_client(tiny_model) as (node, client):
+        clean = await logits_run(client, "ref", prompt(3, 8), 12)
+        rng = np.random.default_rng(0)
+        stop = trio.Event()
+        sent = 0
+
+        async def fuzzer(seed: int) -> None:
+            nonlocal sent
+            ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(node.address)
+            r = np.random.default_rng(seed)
+            ops = ["open", "step", "close", "tokenize", "detokenize", "stats", "ping", "bogus"]
+            try:
+                while not stop.is_set():
+                    kind = r.integers(0, 3)
+                    if kind == 0:
+                        frames = [r.bytes(int(r.integers(0, 40))) for _ in range(int(r.integers(1, 4)))]
+                    else:
+                        header = {"v": int(r.choice([1, 1, 2])), "op": str(r.choice(ops)), "rid": int(r.integers(0, 9)),
+                                  "session": str(r.choice(["ref", "x", ""])), "pos": int(r.integers(-2, 20)),
+                                  "n": int(r.integers(-1, 5)), "input": "tokens", "out": "token",
+                                  "max_tokens": int(r.integers(-5, 3000))}  # fmt: skip
+                        frames = [msgpack.packb(header), r.bytes(int(r.integers(0, 24)))]
+                    sock.send_multipart(frames)
+                    sent += 1
+                    while True:
+                        try:
+                            sock.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                    await trio.sleep(0.001)
+            finally:
+                sock.close()
+
+        async with trio.open_nursery() as nursery:
+            for seed in range(4):
+                nursery.start_soon(fuzzer, seed)
+            during = await logits_run(client, "ref", prompt(3, 8), 12)
+            stop.set()
+        del rng
+        assert sent > 50
+        assert [a.tobytes() for a in clean] == [b.tobytes() for b in during]
+        assert await client.ping() >= 0
+
+
+async def test_vanished_client_has_its_sessions_freed(tiny_model: Path) -> None:
+    async with node_and_client(tiny_model) as (node, watcher):
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(node.address)
+        sock.send_multipart([msgpack.packb({"v": 1, "op": "open", "rid": 1, "session": "gone", "max_tokens": 200})])
+        for _ in range(200):
+            if (await watcher.stats())["sessions_active"] == 1:
+                break
+            await trio.sleep(0.01)
+        step = {"v": 1, "op": "step", "rid": 2, "session": "gone", "pos": 0, "n": 40, "input": "tokens", "out": "token"}
+        sock.send_multipart([msgpack.packb(step), np.array(prompt(1, 40), "<i4").tobytes()])
+        sock.close()  # vanish before the reply
+        for _ in range(300):
+            stats = await watcher.stats()
+            if stats["sessions_active"] == 0:
+                break
+            await trio.sleep(0.01)
+        assert stats["sessions_active"] == 0 and stats["kv_cells_reserved"] == 0
+        assert stats["peers_gone_total"] >= 1
+
+
+async def test_sessions_are_bound_to_their_connection(tiny_model: Path) -> None:
+    async with node_and_client(tiny_model) as (node, alice), open_client(node.address) as bob:
+        await alice.open("s", 20)
+        with pytest.raises(NodeError) as info:
+            await bob.step("s", 0, tokens=[1])
+        assert info.value.code == "unknown_session"
+        assert await bob.close("s") is False
+        assert (await alice.step("s", 0, tokens=[1, 5])).token is not None
+        assert await alice.close("s") is True
+
+
+async def test_ping_is_answered_while_the_engine_is_saturated(tiny_model: Path) -> None:
+    async with node_and_client(tiny_model, max_step_tokens=128, max_prefill_tokens=8) as (node, c):
+        for i in range(4):
+            await c.open(f"s{i}", 200)
+        async with trio.open_nursery() as nursery:
+            for i in range(4):
+                nursery.start_soon(functools.partial(c.step, f"s{i}", 0, tokens=prompt(i, 100)))
+            await trio.sleep(0)
+            rtts = [await c.ping() for _ in range(5)]
+            assert node.engine.scheduler.pending_steps > 0 or rtts
+        stats = await c.stats()
+        assert stats["decode_tokens_total"] + stats["prefill_tokens_total"] > 0
+
+
+async def test_tokenize_and_detokenize(tiny_model: Path) -> None:
+    async with node_and_client(tiny_model) as (_node, c):
+        ids = await c.tokenize("the cat and the hat")
+        assert ids[0] == 1
+        assert (await c.detokenize(ids[1:])).strip() == "the cat and the hat"
+        with pytest.raises(NodeError) as info:
+            await c.detokenize([99999])
+        assert info.value.code == "bad_request"
+
+
+def test_cli_serve_help_and_stats(tiny_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from neuron_tai.cli import main  # noqa: PLC0415
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    assert "--batch-invariant" in capsys.readouterr().out
+    node = NodeProcess(tiny_model, f"tcp://127.0.0.1:{free_port()}", ["--metrics-port", str(free_port())])
+    with running(node):
+        assert main(["stats", "--addr", node.address]) == 0
+        out = capsys.readouterr().out
+        assert "sessions_active" in out and "kv_budget_bytes" in out
+        assert main(["generate", "--addr", node.address, "--max-tokens", "4", "the cat"]) == 0
+        assert node.stop() == 0
