@@ -9,6 +9,10 @@ Writes evidence/node_sweep.json.
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("GOMP_SPINCOUNT", "20000")  # what `neuron-tai serve` uses: the same for the engine here
+
 import argparse
 import socket
 import subprocess
@@ -17,7 +21,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -29,7 +32,8 @@ from neuron_tai.client import Client, open_client
 from neuron_tai.shard import write_stages
 
 COLUMNS = ["setup", "concurrency", "agg_tok_s", "engine_tok_s", "ratio"]
-SERVE = ["--max-sessions", "8", "--kv-cells", "4096", "--n-batch", "512", "--max-prefill", "64", "--log-level", "warning"]
+SERVE = ["--max-sessions", "8", "--kv-cells", "4096", "--n-batch", "512", "--max-prefill", "64", "--log-level",
+         "warning"]  # fmt: skip
 
 
 def free_port() -> int:

@@ -244,6 +244,25 @@ class StageBackend:
         if state.sampler is not None:
             state.sampler.close()
 
+    def retire_sequence(self, seq: int, graveyard: int) -> int:
+        """Free a sequence id but keep its cells occupied under `graveyard`; returns the cells held.
+
+        New tokens go to the lowest free cells: freeing a closed session's cells in the middle
+        of the cache would put later tokens of live sessions before their earlier ones, and
+        flash attention accumulates in cell order. Holding them keeps live layouts unchanged.
+        """
+        state = self._seqs.pop(seq, None)
+        if state is None:
+            return 0
+        self.ctx.seq_cp(seq, graveyard)
+        self.ctx.seq_rm(seq, 0, -1)
+        if state.sampler is not None:
+            state.sampler.close()
+        return state.length
+
+    def release_graveyard(self, graveyard: int) -> None:
+        self.ctx.seq_rm(graveyard, 0, -1)
+
     def length(self, seq: int) -> int:
         return self._known(seq).length
 

@@ -78,14 +78,14 @@ class EngineConfig:
     record_iterations: bool = False
     # After answering a step, wait this long (at most 10% of the recent step time) for that
     # session's next step, so sessions stay in phase and share batches instead of drifting apart.
-    linger_ms: float = 2.0
+    linger_ms: float = 6.0
     # While sessions decode, an iteration's prefill rows may add at most this fraction of a
     # decode step's time (sized from measured step times), so decode latency stays bounded.
     prefill_share: float = 1.0
 
     def context(self) -> ContextConfig:
         return ContextConfig(
-            n_seq_max=self.max_sessions + (1 if self.batch_invariant else 0),
+            n_seq_max=self.max_sessions + (2 if self.batch_invariant else 0),  # + padding, graveyard
             n_ctx=self.kv_cells,
             n_batch=self.n_batch,
             n_ubatch=self.n_ubatch,
@@ -156,6 +156,7 @@ class Engine:
         self.telemetry = Telemetry()
         self.iterations: list[IterationRecord] = []
         self.pad_seq = backend.open_sequence() if config.batch_invariant else None
+        self.graveyard = backend.open_sequence() if config.batch_invariant else None
         self._inbox_send, self._inbox = trio.open_memory_channel[tuple[Request, ReplyTo]](config.inbox_size)
         self._waiter_replies: dict[int, tuple[OpenRequest, ReplyTo]] = {}
         self.draining = False
@@ -373,7 +374,13 @@ class Engine:
         session = self.scheduler.close(key, _now_ms())
         if session is None:
             return False
-        self.backend.close_sequence(session.seq)
+        if self.graveyard is None:
+            self.backend.close_sequence(session.seq)
+        else:
+            self.scheduler.kv_held += self.backend.retire_sequence(session.seq, self.graveyard)
+            if not self.scheduler.sessions:  # nobody's layout left to protect
+                self.backend.release_graveyard(self.graveyard)
+                self.scheduler.kv_held = 0
         if session.step is not None:
             work: _Work = session.step.payload  # type: ignore[assignment]
             work.reply(self._count(Failure("unknown_session", f"{why} before this step ran")))
@@ -514,8 +521,9 @@ class Engine:
             "batch_occupancy": round(t.occupancy(self.config.n_batch), 6),
             "kv_cells_used": used,
             "kv_cells_reserved": s.kv_reserved,
+            "kv_cells_held": s.kv_held,
             "kv_cells_total": s.config.kv_cells,
-            "kv_pressure": round(s.kv_reserved / s.config.kv_cells, 6),
+            "kv_pressure": round((s.kv_reserved + s.kv_held) / s.config.kv_cells, 6),
             "prefill_tokens_total": t.prefill_tokens_total,
             "decode_tokens_total": t.decode_tokens_total,
             "prefill_tokens_per_s": round(t.prefill_window.rate(now), 3),

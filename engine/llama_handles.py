@@ -161,6 +161,10 @@ class LlamaContext:
     def seq_rm(self, seq: int, p0: int, p1: int = -1) -> bool:
         return bool(lc.llama_memory_seq_rm(self.memory, seq, p0, p1))
 
+    def seq_cp(self, src: int, dst: int) -> None:
+        """Tag all of `src`'s cells with `dst` too (cells are shared, not copied)."""
+        lc.llama_memory_seq_cp(self.memory, src, dst, -1, -1)
+
     def seq_pos_min(self, seq: int) -> int:
         return int(lc.llama_memory_seq_pos_min(self.memory, seq))
 

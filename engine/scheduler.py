@@ -167,6 +167,7 @@ class Scheduler:
     sessions: dict[SessionKey, Session] = field(default_factory=dict)
     waiting: deque[Waiter] = field(default_factory=deque)
     kv_reserved: int = 0
+    kv_held: int = 0  # cells of closed sessions not yet released (batch-invariant mode)
     queued_bytes: int = 0
     shutting_down: bool = False
     iteration: int = 0
@@ -177,14 +178,15 @@ class Scheduler:
     # -- admission ---------------------------------------------------------------
 
     def _fits(self, max_tokens: int) -> bool:
-        return len(self.sessions) < self.config.max_sessions and self.kv_reserved + max_tokens <= self.config.kv_cells
+        free = self.config.kv_cells - self.kv_reserved - self.kv_held
+        return len(self.sessions) < self.config.max_sessions and max_tokens <= free
 
     def _shortage(self, max_tokens: int) -> Rejection:
         cfg = self.config
         retry = int(min(60_000, max(self.estimates.step_ms, self.estimates.session_ms / max(1, len(self.sessions)))))
         if len(self.sessions) >= cfg.max_sessions:
             return Rejection(Reason.SESSION_LIMIT, f"the node holds its maximum of {cfg.max_sessions} sessions", retry)
-        free = cfg.kv_cells - self.kv_reserved
+        free = cfg.kv_cells - self.kv_reserved - self.kv_held
         return Rejection(Reason.KV_BUDGET, f"{max_tokens} KV cells requested, {free} of {cfg.kv_cells} free", retry)
 
     def request_open(

@@ -97,6 +97,7 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
         pad_rows=args.pad_rows,
         idle_timeout_s=args.idle_timeout or None,
         limits=Limits(weights=args.weight_budget, kv=args.kv_budget, scratch=args.scratch_budget),
+        linger_ms=args.linger_ms,
     )
     return NodeConfig(
         engine=engine,
@@ -108,7 +109,15 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
     )
 
 
+# llama.cpp's OpenMP workers spin this long after each op before sleeping. libgomp's default
+# keeps them spinning well after a decode ends, competing with the node's socket and event
+# loop threads on a small machine; a short spin measured the same decode speed and a faster
+# node. Read by libgomp when llama.cpp loads, so it is set before that import.
+OMP_SPIN_DEFAULT = "20000"
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
+    os.environ.setdefault("GOMP_SPINCOUNT", OMP_SPIN_DEFAULT)
     import trio  # noqa: PLC0415
 
     from neuron_tai.node import open_node  # noqa: PLC0415
@@ -209,6 +218,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--scratch-budget", type=_bytes, help="refuse to start if compute buffers need more")
     serve.add_argument("--batch-invariant", action="store_true", help="pad decode batches: load-independent outputs")
     serve.add_argument("--pad-rows", type=int, default=8, help="decode rows are padded to a multiple of this")
+    serve.add_argument(
+        "--linger-ms",
+        type=float,
+        default=6.0,
+        help="wait this long (at most 10%% of a step) for answered sessions' next steps, so they share the next batch",
+    )
     serve.add_argument("--idle-timeout", type=float, default=600.0, help="close sessions idle this long (s; 0 off)")
     serve.add_argument("--max-message-bytes", type=_bytes, default=64 * 2**20, help="ZMQ_MAXMSGSIZE")
     serve.add_argument("--downstream-timeout", type=float, default=30.0, help="seconds to wait for the next stage")

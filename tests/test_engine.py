@@ -300,6 +300,7 @@ async def invariant_traces(model: Path, pad_rows: int, partners: int) -> tuple[l
             out.append(r.logits)
             nxt = int(np.argmax(r.logits))
             r = await engine.request(StepRequest("c", name, len(ids) + i, Output.LOGITS, tokens=tokens([nxt])))
+        await engine.request(CloseRequest("c", name))  # partners leave at different times
         return out
 
     mine = prompt(42, 37)
@@ -316,6 +317,8 @@ async def invariant_traces(model: Path, pad_rows: int, partners: int) -> tuple[l
                 nursery.start_soon(run, f"p{i}", prompt(i, 5 + 7 * i))
             nursery.start_soon(run, "me", mine)
         assert pad_rows == 1 or any(r.pad_rows for r in engine.iterations)
+        stats = engine.stats()
+        assert stats["kv_cells_held"] == 0 and stats["kv_cells_reserved"] == 0  # released once all closed
     return alone, traces["me"]
 
 
