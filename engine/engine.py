@@ -158,7 +158,6 @@ class Engine:
         self.pad_seq = backend.open_sequence() if config.batch_invariant else None
         self.graveyard = backend.open_sequence() if config.batch_invariant else None
         self._inbox_send, self._inbox = trio.open_memory_channel[tuple[Request, ReplyTo]](config.inbox_size)
-        self._waiter_replies: dict[int, tuple[OpenRequest, ReplyTo]] = {}
         self.draining = False
         self.stopped = trio.Event()
         self._idle_scope: trio.CancelScope | None = None
@@ -174,7 +173,7 @@ class Engine:
         try:
             self._inbox_send.send_nowait((request, reply))
         except trio.WouldBlock:
-            return self._count(Failure("busy", "the engine's inbox is full", self.scheduler._busy_retry()))
+            return self._count(Failure("busy", "the engine's inbox is full", self.scheduler.busy_retry_ms()))
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             return self._count(Failure("shutting_down", "the node has stopped"))
         return None
@@ -256,18 +255,22 @@ class Engine:
         self._drain_inbox()
         limit = min(self.config.linger_ms, 0.1 * self.scheduler.estimates.step_ms) / 1000
         if not self._coming_back or limit <= 0:
+            self._coming_back.clear()
             return
+        started = time.perf_counter()
         with trio.move_on_after(limit):
             while self._coming_back:
                 request, reply = await self._inbox.receive()
                 self._handle(request, reply)
+        self.telemetry.linger_seconds_total += time.perf_counter() - started
+        self.telemetry.late_sessions_total += len(self._coming_back)
         self._coming_back.clear()
 
     def _housekeeping(self) -> None:
         now = _now_ms()
         admitted, expired = self.scheduler.poll_waiting(now)
         for waiter, session in admitted:
-            request, reply = self._waiter_replies.pop(id(waiter))
+            request, reply = waiter.payload  # type: ignore[misc]
             self._bind_and_reply(request, session, reply)
         for waiter, why in expired:
             self._reject_waiter(waiter, why)
@@ -299,19 +302,16 @@ class Engine:
                 self._close(key, "the session's connection is gone")
             for waiter in [w for w in self.scheduler.waiting if w.key[0] == request.owner]:
                 self.scheduler.waiting.remove(waiter)
-                self._waiter_replies.pop(id(waiter), None)
 
     def _open(self, request: OpenRequest, reply: ReplyTo) -> None:
         if request.max_tokens < 1:
             reply(self._count(Failure("bad_request", "max_tokens must be >= 1")))
             return
         key = (request.owner, request.session)
-        outcome = self.scheduler.request_open(key, request.max_tokens, request.wait_ms, _now_ms())
+        outcome = self.scheduler.request_open(key, request.max_tokens, request.wait_ms, _now_ms(), (request, reply))
         if isinstance(outcome, Rejection):
             self._reject(outcome, reply)
-        elif isinstance(outcome, Waiter):
-            self._waiter_replies[id(outcome)] = (request, reply)
-        else:
+        elif not isinstance(outcome, Waiter):
             self._bind_and_reply(request, outcome, reply)
 
     def _bind_and_reply(self, request: OpenRequest, session: Session, reply: ReplyTo) -> None:
@@ -327,9 +327,8 @@ class Engine:
         reply(self._count(Failure(why.reason.value, why.message, why.retry_after_ms)))
 
     def _reject_waiter(self, waiter: Waiter, why: Rejection) -> None:
-        request_reply = self._waiter_replies.pop(id(waiter), None)
-        if request_reply is not None:
-            self._reject(why, request_reply[1])
+        _request, reply = waiter.payload  # type: ignore[misc]
+        self._reject(why, reply)
 
     def _step(self, request: StepRequest, reply: ReplyTo) -> None:
         key = (request.owner, request.session)
@@ -533,6 +532,8 @@ class Engine:
             "scratch_bytes": b.scratch_bytes,
             "step_seconds": t.step_seconds.snapshot(),
             "errors_total": dict(t.errors),
+            "linger_seconds_total": round(t.linger_seconds_total, 4),
+            "late_sessions_total": t.late_sessions_total,
             "draining": self.draining,
         }
 

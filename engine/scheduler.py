@@ -258,7 +258,7 @@ class Scheduler:
         if session is None:
             return Rejection(Reason.UNKNOWN_SESSION, "no such open session on this connection")
         if session.step is not None:
-            return Rejection(Reason.BUSY, "the session already has a step in flight", self._busy_retry())
+            return Rejection(Reason.BUSY, "the session already has a step in flight", self.busy_retry_ms())
         if n > cfg.max_step_tokens:
             return Rejection(Reason.TOO_LARGE, f"n={n} exceeds max_step_tokens {cfg.max_step_tokens}")
         if n < 1 or pos < 0 or pos > session.length or pos + n > session.max_tokens:
@@ -269,7 +269,7 @@ class Scheduler:
         if self.queued_bytes + nbytes > cfg.queue_budget_bytes:
             return Rejection(
                 Reason.BUSY, f"queue budget full ({self.queued_bytes} of {cfg.queue_budget_bytes} bytes)",
-                self._busy_retry(),
+                self.busy_retry_ms(),
             )  # fmt: skip
         self._arrivals += 1
         step = Step(key, pos, n, nbytes, self._arrivals, payload, submitted_iteration=self.iteration)
@@ -281,7 +281,7 @@ class Scheduler:
             self._rr.append(key)
         return step
 
-    def _busy_retry(self) -> int:
+    def busy_retry_ms(self) -> int:
         return max(1, int(self.estimates.step_ms))
 
     @property

@@ -67,6 +67,8 @@ class Telemetry:
     decode_batches_total: int = 0
     decode_rows_sum: int = 0
     kv_reserved_peak: int = 0
+    linger_seconds_total: float = 0.0  # waiting for answered sessions' next steps
+    late_sessions_total: int = 0  # answered sessions whose next step missed the next batch
     prefill_tokens_total: int = 0
     decode_tokens_total: int = 0
     prefill_window: RateWindow = field(default_factory=RateWindow)

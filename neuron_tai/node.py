@@ -87,6 +87,8 @@ class Node:
         self.downstream = Downstream(ctx, config.next, config.downstream_timeout_s, config.hwm) if config.next else None
         self.peers_gone = 0
         self.started = time.monotonic()
+        # Once: asking llama.cpp about every vocabulary entry takes a while on large vocabularies.
+        self.eog_tokens = [t for t in range(self.info.n_vocab) if engine.backend.model.is_eog(t)][:16]
 
     # -- replies -----------------------------------------------------------------------
 
@@ -111,7 +113,7 @@ class Node:
             "n_vocab": info.n_vocab,
             "model": info.model,
             "max_step_tokens": self.engine.scheduler.config.max_step_tokens,
-            "eog_tokens": [t for t in range(info.n_vocab) if self.engine.backend.model.is_eog(t)][:16],
+            "eog_tokens": self.eog_tokens,
         }
 
     def stats(self) -> dict[str, Any]:
