@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import trio
@@ -270,7 +270,7 @@ class Engine:
         now = _now_ms()
         admitted, expired = self.scheduler.poll_waiting(now)
         for waiter, session in admitted:
-            request, reply = waiter.payload  # type: ignore[misc]
+            request, reply = cast(tuple[OpenRequest, ReplyTo], waiter.payload)
             self._bind_and_reply(request, session, reply)
         for waiter, why in expired:
             self._reject_waiter(waiter, why)
@@ -327,7 +327,7 @@ class Engine:
         reply(self._count(Failure(why.reason.value, why.message, why.retry_after_ms)))
 
     def _reject_waiter(self, waiter: Waiter, why: Rejection) -> None:
-        _request, reply = waiter.payload  # type: ignore[misc]
+        _request, reply = cast(tuple[OpenRequest, ReplyTo], waiter.payload)
         self._reject(why, reply)
 
     def _step(self, request: StepRequest, reply: ReplyTo) -> None:
