@@ -233,13 +233,17 @@ class Engine:
             self._fail_everything_pending()
             self.stopped.set()
 
-    def _drain_inbox(self) -> None:
+    def _drain_inbox(self, refuse: bool = False) -> None:
+        """Handle what is waiting in the inbox; after the loop stopped, refuse it instead."""
         while True:
             try:
                 request, reply = self._inbox.receive_nowait()
             except (trio.WouldBlock, trio.EndOfChannel):
                 return
-            self._handle(request, reply)
+            if not refuse:
+                self._handle(request, reply)
+            elif not isinstance(request, DropOwner):
+                reply(self._count(Failure("shutting_down", "the node stopped")))
 
     async def _wait_for_work(self) -> None:
         deadlines = [d for d in (self.scheduler.next_deadline_ms(), self._idle_deadline_ms()) if d is not None]
@@ -485,16 +489,7 @@ class Engine:
         for waiter in list(self.scheduler.waiting):
             self._reject_waiter(waiter, Rejection(Reason.SHUTTING_DOWN, "the node stopped"))
         self._inbox_send.close()
-        self._drain_closed_inbox()
-
-    def _drain_closed_inbox(self) -> None:
-        while True:
-            try:
-                request, reply = self._inbox.receive_nowait()
-            except (trio.WouldBlock, trio.EndOfChannel):
-                return
-            if not isinstance(request, DropOwner):
-                reply(self._count(Failure("shutting_down", "the node stopped")))
+        self._drain_inbox(refuse=True)
 
     def _count(self, failure: Failure) -> Failure:
         self.telemetry.errors[failure.code] += 1

@@ -73,7 +73,18 @@ def _per_layer(value: Any, n: int) -> list[int]:
 
 
 def read_facts(path: Path) -> ModelFacts:
-    reader = gguf.GGUFReader(str(path), "r")
+    return facts_from_reader(gguf.GGUFReader(str(path), "r"), path)
+
+
+def facts_from_reader(reader: gguf.GGUFReader, path: Path) -> ModelFacts:
+    """Raises ValueError when a key the facts need is missing or mistyped."""
+    try:
+        return _facts(reader, path)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{path}: incomplete model metadata ({exc})") from exc
+
+
+def _facts(reader: gguf.GGUFReader, path: Path) -> ModelFacts:
     arch = str(field_value(reader, "general.architecture"))
     n = int(field_value(reader, f"{arch}.block_count"))
     n_embd = int(field_value(reader, f"{arch}.embedding_length"))

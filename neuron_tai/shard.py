@@ -14,35 +14,28 @@ import itertools
 import os
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import gguf
 
 from engine.architectures import refusal
-from engine.gguf_facts import KEY_LAYER_END, KEY_LAYER_START, KEY_SOURCE_BLOCKS, KEY_SOURCE_MODEL, swa_pattern
+from engine.gguf_facts import (
+    KEY_LAYER_END,
+    KEY_LAYER_START,
+    KEY_SOURCE_BLOCKS,
+    KEY_SOURCE_MODEL,
+    ModelFacts,
+    facts_from_reader,
+    field_value,
+    swa_pattern,
+)
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
 class ShardError(Exception):
     """A shard cannot be written; the message says why, for people."""
-
-
-@dataclass(frozen=True, slots=True)
-class ModelLayers:
-    """Where a GGUF file's layers sit in its source model."""
-
-    arch: str
-    name: str
-    block_count: int  # layers in this file
-    source_blocks: int  # layers in the whole source model
-    start: int  # index of this file's first layer in the source model
-
-    @property
-    def end(self) -> int:
-        return self.start + self.block_count
 
 
 def open_reader(path: Path) -> gguf.GGUFReader:
@@ -54,40 +47,28 @@ def open_reader(path: Path) -> gguf.GGUFReader:
         raise ShardError(f"{path}: not a GGUF file ({exc})") from exc
 
 
-def _scalar(reader: gguf.GGUFReader, key: str) -> Any:
-    field = reader.get_field(key)
-    return None if field is None else field.contents()
+def read_model_layers(path: Path) -> ModelFacts:
+    """Layer facts of a model or shard file (where its layers sit in the source model)."""
+    return _facts(open_reader(path), path)
 
 
-def read_layers(reader: gguf.GGUFReader, path: Path) -> ModelLayers:
-    arch = _scalar(reader, gguf.Keys.General.ARCHITECTURE)
-    if not isinstance(arch, str):
-        raise ShardError(f"{path}: no general.architecture key")
-    blocks = _scalar(reader, f"{arch}.block_count")
-    if not isinstance(blocks, int):
-        raise ShardError(f"{path}: no {arch}.block_count key")
-    name = _scalar(reader, KEY_SOURCE_MODEL) or _scalar(reader, gguf.Keys.General.NAME)
-    return ModelLayers(
-        arch=arch,
-        name=str(name or path.stem),
-        block_count=blocks,
-        source_blocks=int(_scalar(reader, KEY_SOURCE_BLOCKS) or blocks),
-        start=int(_scalar(reader, KEY_LAYER_START) or 0),
-    )
-
-
-def read_model_layers(path: Path) -> ModelLayers:
-    """Layer facts of a model or shard file (for a node to report)."""
-    return read_layers(open_reader(path), path)
+def _facts(reader: gguf.GGUFReader, path: Path) -> ModelFacts:
+    try:
+        return facts_from_reader(reader, path)
+    except ValueError as exc:
+        raise ShardError(str(exc)) from None
 
 
 def write_shard(src: Path, start: int, end: int, out: Path) -> Path:
     """Write layers [start, end) of `src` (indices within `src`) to `out`."""
     reader = open_reader(src)
-    layers = read_layers(reader, src)
-    why = refusal(layers.arch)
+    arch = field_value(reader, gguf.Keys.General.ARCHITECTURE)
+    if not isinstance(arch, str):
+        raise ShardError(f"{src}: no general.architecture key")
+    why = refusal(arch)
     if why:
         raise ShardError(f"{src}: {why}")
+    layers = _facts(reader, src)
     if not 0 <= start < end <= layers.block_count:
         raise ShardError(
             f"layer range {start}:{end} is not within the model's {layers.block_count} layers "
