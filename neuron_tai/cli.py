@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine.budgets import BudgetError
-from neuron_tai.shard import ShardError, read_model_layers, stage_bounds, write_shard, write_stages
+from neuron_tai.client import NodeError
+from neuron_tai.shard import ShardError, open_reader, read_model_layers, stage_bounds, write_shard, write_stages
 
 if TYPE_CHECKING:
     from neuron_tai.node import NodeConfig
@@ -41,9 +42,10 @@ def _cmd_shard(args: argparse.Namespace) -> int:
         out = write_shard(src, args.layers[0], args.layers[1], args.output)
         print(out)
         return 0
-    blocks = read_model_layers(src).block_count
+    reader = open_reader(src)  # parsed once for all stages
+    blocks = read_model_layers(src, reader).block_count
     bounds = stage_bounds(blocks, stages=args.stages, split=args.split or ())
-    for path, (a, b) in zip(write_stages(src, args.output, bounds), bounds, strict=True):
+    for path, (a, b) in zip(write_stages(src, args.output, bounds, reader), bounds, strict=True):
         print(f"layers {a}:{b}\t{path}")
     return 0
 
@@ -251,9 +253,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    code = 2
+    try:
+        code = _run(args)
+    except* (NodeError, TimeoutError, ConnectionError) as group:  # from inside the client's nursery
+        for exc in group.exceptions:
+            print(f"neuron-tai: error: {exc}", file=sys.stderr)
+    return code
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         return int(args.run(args))
-    except (ShardError, BudgetError, ValueError, OSError) as exc:
+    except BrokenPipeError:  # the reader of our output went away (`... | head`): not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except (ShardError, BudgetError, NodeError, ValueError, OSError) as exc:
         print(f"neuron-tai: error: {exc}", file=sys.stderr)
         return 2
 

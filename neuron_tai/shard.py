@@ -47,9 +47,9 @@ def open_reader(path: Path) -> gguf.GGUFReader:
         raise ShardError(f"{path}: not a GGUF file ({exc})") from exc
 
 
-def read_model_layers(path: Path) -> ModelFacts:
+def read_model_layers(path: Path, reader: gguf.GGUFReader | None = None) -> ModelFacts:
     """Layer facts of a model or shard file (where its layers sit in the source model)."""
-    return _facts(open_reader(path), path)
+    return _facts(reader or open_reader(path), path)
 
 
 def _facts(reader: gguf.GGUFReader, path: Path) -> ModelFacts:
@@ -59,9 +59,12 @@ def _facts(reader: gguf.GGUFReader, path: Path) -> ModelFacts:
         raise ShardError(str(exc)) from None
 
 
-def write_shard(src: Path, start: int, end: int, out: Path) -> Path:
-    """Write layers [start, end) of `src` (indices within `src`) to `out`."""
-    reader = open_reader(src)
+def write_shard(src: Path, start: int, end: int, out: Path, reader: gguf.GGUFReader | None = None) -> Path:
+    """Write layers [start, end) of `src` (indices within `src`) to `out`.
+
+    Parsing a header with a large vocabulary takes seconds: pass `reader` to reuse one.
+    """
+    reader = reader or open_reader(src)
     arch = field_value(reader, gguf.Keys.General.ARCHITECTURE)
     if not isinstance(arch, str):
         raise ShardError(f"{src}: no general.architecture key")
@@ -148,7 +151,10 @@ def stage_bounds(block_count: int, *, stages: int | None = None, split: Sequence
     return list(itertools.pairwise(cuts))
 
 
-def write_stages(src: Path, out_dir: Path, bounds: Sequence[tuple[int, int]]) -> list[Path]:
+def write_stages(
+    src: Path, out_dir: Path, bounds: Sequence[tuple[int, int]], reader: gguf.GGUFReader | None = None
+) -> list[Path]:
     """One shard per layer range, named `{stem}.layers-A-B.gguf` in `out_dir`."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    return [write_shard(src, a, b, out_dir / f"{src.stem}.layers-{a}-{b}.gguf") for a, b in bounds]
+    reader = reader or open_reader(src)
+    return [write_shard(src, a, b, out_dir / f"{src.stem}.layers-{a}-{b}.gguf", reader) for a, b in bounds]

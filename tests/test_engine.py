@@ -343,3 +343,14 @@ async def test_tiny_model_kernels_need_padding(tiny_model: Path) -> None:
 def test_engine_refuses_nonsense_context(tiny_model: Path) -> None:
     with pytest.raises(ValueError, match="n_ubatch"):
         ContextConfig(n_batch=16, n_ubatch=32)
+
+
+async def test_idle_sessions_are_closed(tiny_model: Path) -> None:
+    async with open_engine(config(tiny_model, idle_timeout_s=0.05)) as engine:
+        await engine.request(OpenRequest("c", "idle", 50))
+        assert engine.stats()["sessions_active"] == 1
+        for _ in range(100):
+            if engine.stats()["sessions_active"] == 0:
+                break
+            await trio.sleep(0.01)
+        assert engine.stats()["sessions_active"] == 0 and engine.stats()["kv_cells_reserved"] == 0

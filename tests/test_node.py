@@ -341,3 +341,42 @@ def test_cli_serve_help_and_stats(tiny_model: Path, capsys: pytest.CaptureFixtur
         assert "sessions_active" in out and "kv_budget_bytes" in out
         assert main(["generate", "--addr", node.address, "--max-tokens", "4", "the cat"]) == 0
         assert node.stop() == 0
+    assert main(["stats", "--addr", f"tcp://127.0.0.1:{free_port()}", "--timeout", "0.2"]) == 2
+    assert "no reply to 'stats'" in capsys.readouterr().err
+
+
+async def test_oversized_message_drops_only_that_connection(tiny_model: Path) -> None:
+    cfg = NodeConfig(engine_config(tiny_model), bind="tcp://127.0.0.1:0", max_message_bytes=4096)
+    async with open_node(cfg) as node, open_client(node.address, timeout_s=5) as good:
+        await good.open("s", 50)
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        bad = ctx.socket(zmq.DEALER)
+        bad.setsockopt(zmq.LINGER, 0)
+        bad.connect(node.address)
+        header = {"v": 1, "op": "detokenize", "rid": 1}
+        bad.send_multipart([msgpack.packb(header), b"\0" * 100_000])
+        await trio.sleep(0.2)
+        with pytest.raises(zmq.Again):
+            bad.recv_multipart(zmq.NOBLOCK)  # refused by ZeroMQ itself: no reply
+        bad.close()
+        assert (await good.step("s", 0, tokens=[1, 5])).token is not None
+        assert (await good.stats())["max_message_bytes"] == 4096
+
+
+def test_prometheus_endpoint_has_the_telemetry_names(tiny_model: Path) -> None:
+    import urllib.request  # noqa: PLC0415
+
+    port = free_port()
+    node = NodeProcess(tiny_model, f"tcp://127.0.0.1:{free_port()}", ["--metrics-port", str(port)])
+    with running(node):
+        text = ""
+        for _ in range(50):
+            try:
+                text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+                break
+            except OSError:
+                trio.run(trio.sleep, 0.1)
+        for name in ("sessions_active", "queue_depth", "batch_occupancy", "kv_pressure", "kv_budget_bytes",
+                     "decode_tokens_per_s", "step_seconds_bucket", "admissions"):  # fmt: skip
+            assert f"neuron_tai_{name}" in text, name
+        assert node.stop() == 0
