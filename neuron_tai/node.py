@@ -87,6 +87,9 @@ class Node:
         self.downstream = Downstream(ctx, config.next, config.downstream_timeout_s, config.hwm) if config.next else None
         self.peers_gone = 0
         self.started = time.monotonic()
+        # Sessions whose step finished here and is still on its way through the next stage:
+        # the step is in flight until the chain answers, so another one is `busy`.
+        self.forwarding: set[tuple[bytes, str]] = set()
         # Once: asking llama.cpp about every vocabulary entry takes a while on large vocabularies.
         self.eog_tokens = [t for t in range(self.info.n_vocab) if engine.backend.model.is_eog(t)][:16]
 
@@ -225,6 +228,10 @@ class Node:
             want = "'token' or 'logits'" if info.last else "'hidden'"
             self._error(peer, req.rid, "wrong_stage", f"this stage (layers {info.layers}) gives out={want}")
             return
+        if (peer, req.session) in self.forwarding:
+            retry = self.engine.scheduler.busy_retry_ms()
+            self._error(peer, req.rid, "busy", "the session's previous step is still in the next stage", retry)
+            return
         local_out = _OUT[req.out] if chain_end_here else Output.HIDDEN
         request = StepRequest(peer, req.session, req.pos, local_out, tokens=req.tokens, hidden=req.hidden)
 
@@ -233,6 +240,7 @@ class Node:
                 return self._failure(peer, req.rid, result) or True
             assert isinstance(result, StepDone)
             if self.downstream is not None:
+                self.forwarding.add((peer, req.session))
                 self._forward_step(peer, req, result)
                 return True
             return self._send(peer, self._result_frames(req, result))
@@ -258,11 +266,12 @@ class Node:
         payload = [wire.hidden_frame(local.hidden, "f32")]
 
         def on_reply(reply: dict[str, Any] | None, frames: list[bytes]) -> None:
-            if reply is not None and reply.get("op") == "result":
-                self._send(peer, wire.encode({**reply, "rid": req.rid, "session": req.session}, *frames))
-                return
             if reply is not None and reply.get("code") == "unknown_session" and req.pos == 0 and not reopened:
                 self._reopen_and_retry(peer, req, local)
+                return
+            self.forwarding.discard((peer, req.session))
+            if reply is not None and reply.get("op") == "result":
+                self._send(peer, wire.encode({**reply, "rid": req.rid, "session": req.session}, *frames))
                 return
             # The next stage did not take the step: undo it here so the session is as before.
             self.engine.submit(Rollback(peer, req.session, req.pos), lambda _r: True)
@@ -289,6 +298,7 @@ class Node:
             if ok:
                 self._forward_step(peer, req, local, reopened=True)
                 return
+            self.forwarding.discard((peer, req.session))
             self.engine.submit(Rollback(peer, req.session, req.pos), lambda _r: True)
             self._error(peer, req.rid, "downstream", "the next stage could not reopen the session; rolled back")
 
@@ -309,6 +319,7 @@ class Node:
 
     def _peer_gone(self, peer: bytes) -> None:
         self.peers_gone += 1
+        self.forwarding = {key for key in self.forwarding if key[0] != peer}
         log.info("peer %s is gone: freeing its sessions", peer.hex())
         self.engine.submit(DropOwner(peer), lambda _r: True)
 
