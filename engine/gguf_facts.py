@@ -11,9 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import gguf
-
 from engine.architectures import SWA_DEFAULT_PATTERN, swa_layers
+from engine.gguf_header import Header, read_header
 
 KEY_SOURCE_MODEL = "neuron_tai.source_model"
 KEY_SOURCE_BLOCKS = "neuron_tai.source_block_count"
@@ -50,17 +49,12 @@ class ModelFacts:
         return self.end == self.source_blocks
 
 
-def field_value(reader: gguf.GGUFReader, key: str) -> Any:
-    f = reader.get_field(key)
-    return None if f is None else f.contents()
-
-
-def swa_pattern(reader: gguf.GGUFReader, arch: str, n_layer: int) -> list[bool] | None:
+def swa_pattern(header: Header, arch: str, n_layer: int) -> list[bool] | None:
     """Per-layer sliding-window flags as llama.cpp derives them; None without a window."""
-    if arch not in SWA_DEFAULT_PATTERN or reader.get_field(f"{arch}.attention.sliding_window") is None:
+    if arch not in SWA_DEFAULT_PATTERN or header.get(f"{arch}.attention.sliding_window") is None:
         return None
     period, dense_first = SWA_DEFAULT_PATTERN[arch]
-    value = field_value(reader, f"{arch}.attention.sliding_window_pattern")
+    value = header.get(f"{arch}.attention.sliding_window_pattern")
     if isinstance(value, list):
         return [bool(v) for v in value]
     if value is not None:
@@ -73,46 +67,46 @@ def _per_layer(value: Any, n: int) -> list[int]:
 
 
 def read_facts(path: Path) -> ModelFacts:
-    return facts_from_reader(gguf.GGUFReader(str(path), "r"), path)
+    return facts_from_header(read_header(path), path)
 
 
-def facts_from_reader(reader: gguf.GGUFReader, path: Path) -> ModelFacts:
+def facts_from_header(header: Header, path: Path) -> ModelFacts:
     """Raises ValueError when a key the facts need is missing or mistyped."""
     try:
-        return _facts(reader, path)
+        return _facts(header, path)
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"{path}: incomplete model metadata ({exc})") from exc
 
 
-def _facts(reader: gguf.GGUFReader, path: Path) -> ModelFacts:
-    arch = str(field_value(reader, "general.architecture"))
-    n = int(field_value(reader, f"{arch}.block_count"))
-    n_embd = int(field_value(reader, f"{arch}.embedding_length"))
-    heads = _per_layer(field_value(reader, f"{arch}.attention.head_count"), n)
-    kv_heads = _per_layer(field_value(reader, f"{arch}.attention.head_count_kv") or heads, n)
-    head_k = field_value(reader, f"{arch}.attention.key_length")
-    head_v = field_value(reader, f"{arch}.attention.value_length")
+def _facts(header: Header, path: Path) -> ModelFacts:
+    arch = str(header.get("general.architecture"))
+    n = int(header.get(f"{arch}.block_count"))
+    n_embd = int(header.get(f"{arch}.embedding_length"))
+    heads = _per_layer(header.get(f"{arch}.attention.head_count"), n)
+    kv_heads = _per_layer(header.get(f"{arch}.attention.head_count_kv") or heads, n)
+    head_k = header.get(f"{arch}.attention.key_length")
+    head_v = header.get(f"{arch}.attention.value_length")
     k_widths = [int(head_k or n_embd // h) * kv for h, kv in zip(heads, kv_heads, strict=True)]
     v_widths = [int(head_v or n_embd // h) * kv for h, kv in zip(heads, kv_heads, strict=True)]
-    swa = swa_pattern(reader, arch, n) or [False] * n
-    start = int(field_value(reader, KEY_LAYER_START) or 0)
-    source_blocks = int(field_value(reader, KEY_SOURCE_BLOCKS) or n)
+    swa = swa_pattern(header, arch, n) or [False] * n
+    start = int(header.get(KEY_LAYER_START) or 0)
+    source_blocks = int(header.get(KEY_SOURCE_BLOCKS) or n)
     first, last = start == 0, start + n == source_blocks
-    names = {t.name for t in reader.tensors}
+    names = {t.name for t in header.tensors}
     tied = "output.weight" not in names  # the vocabulary projection reuses token_embd
     used = 0
-    for t in reader.tensors:
+    for t in header.tensors:
         if _BLOCK.match(t.name):
-            used += int(t.n_bytes)
+            used += t.nbytes
         elif t.name == "token_embd.weight":
-            used += int(t.n_bytes) if first or (last and tied) else 0
+            used += t.nbytes if first or (last and tied) else 0
         elif t.name in ("output.weight", "output_norm.weight"):
-            used += int(t.n_bytes) if last else 0
+            used += t.nbytes if last else 0
         else:
-            used += int(t.n_bytes)
+            used += t.nbytes
     return ModelFacts(
         arch=arch,
-        name=str(field_value(reader, KEY_SOURCE_MODEL) or field_value(reader, "general.name") or path.stem),
+        name=str(header.get(KEY_SOURCE_MODEL) or header.get("general.name") or path.stem),
         block_count=n,
         source_blocks=source_blocks,
         start=start,
@@ -120,6 +114,6 @@ def _facts(reader: gguf.GGUFReader, path: Path) -> ModelFacts:
         k_widths=tuple(k_widths),
         v_widths=tuple(v_widths),
         swa=tuple(swa),
-        n_swa=int(field_value(reader, f"{arch}.attention.sliding_window") or 0) if any(swa) else 0,
+        n_swa=int(header.get(f"{arch}.attention.sliding_window") or 0) if any(swa) else 0,
         weights_bytes=used,
     )

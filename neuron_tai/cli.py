@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.budgets import BudgetError
 from neuron_tai.client import NodeError
-from neuron_tai.shard import ShardError, open_reader, read_model_layers, stage_bounds, write_shard, write_stages
+from neuron_tai.shard import ShardError, open_header, read_model_layers, stage_bounds, write_shard, write_stages
 
 if TYPE_CHECKING:
     from neuron_tai.node import NodeConfig
@@ -42,10 +42,10 @@ def _cmd_shard(args: argparse.Namespace) -> int:
         out = write_shard(src, args.layers[0], args.layers[1], args.output)
         print(out)
         return 0
-    reader = open_reader(src)  # parsed once for all stages
-    blocks = read_model_layers(src, reader).block_count
+    header = open_header(src)  # parsed once for all stages
+    blocks = read_model_layers(src, header).block_count
     bounds = stage_bounds(blocks, stages=args.stages, split=args.split or ())
-    for path, (a, b) in zip(write_stages(src, args.output, bounds, reader), bounds, strict=True):
+    for path, (a, b) in zip(write_stages(src, args.output, bounds, header), bounds, strict=True):
         print(f"layers {a}:{b}\t{path}")
     return 0
 

@@ -5,7 +5,8 @@ keeps blocks a..b-1 renumbered from 0 and every tensor outside the blocks (the
 loader requires them; with mmap a stage never touches what it does not use).
 Per-layer metadata arrays are sliced, and a sliding-window pattern that llama.cpp
 would otherwise derive from the (renumbered) layer index is written explicitly.
-Tensors are streamed from the memory-mapped source, never loaded whole.
+Metadata the shard does not change is copied byte for byte, and tensor data is
+streamed from the source file in chunks: never the whole model in memory.
 """
 
 from __future__ import annotations
@@ -13,11 +14,10 @@ from __future__ import annotations
 import itertools
 import os
 import re
+import struct
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
-
-import gguf
+from typing import BinaryIO
 
 from engine.architectures import refusal
 from engine.gguf_facts import (
@@ -26,114 +26,141 @@ from engine.gguf_facts import (
     KEY_SOURCE_BLOCKS,
     KEY_SOURCE_MODEL,
     ModelFacts,
-    facts_from_reader,
-    field_value,
+    facts_from_header,
     swa_pattern,
+)
+from engine.gguf_header import (
+    ARRAY,
+    MAGIC,
+    STRING,
+    Header,
+    HeaderError,
+    TensorInfo,
+    encode_entry,
+    encode_string,
+    read_header,
 )
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
+_UINT32, _BOOL = 4, 7
+_CHUNK = 8 * 2**20
 
 
 class ShardError(Exception):
     """A shard cannot be written; the message says why, for people."""
 
 
-def open_reader(path: Path) -> gguf.GGUFReader:
+def open_header(path: Path) -> Header:
     if not path.is_file():
         raise ShardError(f"{path}: no such file")
     try:
-        return gguf.GGUFReader(str(path), "r")
-    except (ValueError, OSError) as exc:
-        raise ShardError(f"{path}: not a GGUF file ({exc})") from exc
+        return read_header(path)
+    except HeaderError as exc:
+        raise ShardError(f"{path}: not a GGUF file ({exc})") from None
 
 
-def read_model_layers(path: Path, reader: gguf.GGUFReader | None = None) -> ModelFacts:
+def read_model_layers(path: Path, header: Header | None = None) -> ModelFacts:
     """Layer facts of a model or shard file (where its layers sit in the source model)."""
-    return _facts(reader or open_reader(path), path)
+    return _facts(header or open_header(path), path)
 
 
-def _facts(reader: gguf.GGUFReader, path: Path) -> ModelFacts:
+def _facts(header: Header, path: Path) -> ModelFacts:
     try:
-        return facts_from_reader(reader, path)
+        return facts_from_header(header, path)
     except ValueError as exc:
         raise ShardError(str(exc)) from None
 
 
-def write_shard(src: Path, start: int, end: int, out: Path, reader: gguf.GGUFReader | None = None) -> Path:
-    """Write layers [start, end) of `src` (indices within `src`) to `out`.
-
-    Parsing a header with a large vocabulary takes seconds: pass `reader` to reuse one.
-    """
-    reader = reader or open_reader(src)
-    arch = field_value(reader, gguf.Keys.General.ARCHITECTURE)
+def write_shard(src: Path, start: int, end: int, out: Path, header: Header | None = None) -> Path:
+    """Write layers [start, end) of `src` (indices within `src`) to `out`."""
+    header = header or open_header(src)
+    arch = header.get("general.architecture")
     if not isinstance(arch, str):
         raise ShardError(f"{src}: no general.architecture key")
     why = refusal(arch)
     if why:
         raise ShardError(f"{src}: {why}")
-    layers = _facts(reader, src)
+    layers = _facts(header, src)
     if not 0 <= start < end <= layers.block_count:
         raise ShardError(
             f"layer range {start}:{end} is not within the model's {layers.block_count} layers "
             f"(need 0 <= A < B <= {layers.block_count})"
         )
-    arch, n_keep = layers.arch, end - start
-    swa = swa_pattern(reader, layers.arch, layers.block_count)
-    overrides: dict[str, Any] = {
-        f"{arch}.block_count": (n_keep, gguf.GGUFValueType.UINT32),
-        KEY_SOURCE_MODEL: (layers.name, gguf.GGUFValueType.STRING),
-        KEY_SOURCE_BLOCKS: (layers.source_blocks, gguf.GGUFValueType.UINT32),
-        KEY_LAYER_START: (layers.start + start, gguf.GGUFValueType.UINT32),
-        KEY_LAYER_END: (layers.start + end, gguf.GGUFValueType.UINT32),
+    overrides = {
+        f"{arch}.block_count": encode_entry(f"{arch}.block_count", end - start, _UINT32),
+        KEY_SOURCE_MODEL: encode_entry(KEY_SOURCE_MODEL, layers.name, STRING),
+        KEY_SOURCE_BLOCKS: encode_entry(KEY_SOURCE_BLOCKS, layers.source_blocks, _UINT32),
+        KEY_LAYER_START: encode_entry(KEY_LAYER_START, layers.start + start, _UINT32),
+        KEY_LAYER_END: encode_entry(KEY_LAYER_END, layers.start + end, _UINT32),
     }
+    swa = swa_pattern(header, arch, layers.block_count)
     if swa is not None:
-        overrides[f"{arch}.attention.sliding_window_pattern"] = (swa[start:end], gguf.GGUFValueType.BOOL)
+        key = f"{arch}.attention.sliding_window_pattern"
+        overrides[key] = encode_entry(key, swa[start:end], ARRAY, _BOOL)
+
+    entries: list[bytes] = []
+    for key, entry in header.entries.items():
+        if key in overrides:
+            entries.append(overrides.pop(key))
+        elif (
+            entry.vtype == ARRAY
+            and entry.elem_type not in (None, STRING)
+            and key.startswith(f"{arch}.")
+            and entry.count == layers.block_count
+        ):
+            entries.append(encode_entry(key, list(entry.value)[start:end], ARRAY, entry.elem_type))
+        else:
+            entries.append(entry.raw)
+    entries += overrides.values()
+
+    kept = []
+    for t in header.tensors:
+        m = _BLOCK.match(t.name)
+        if m is None:
+            kept.append((t.name, t))
+        elif start <= int(m.group(1)) < end:
+            kept.append((f"blk.{int(m.group(1)) - start}.{m.group(2)}", t))
 
     tmp = out.with_name(out.name + ".part")
-    writer = gguf.GGUFWriter(str(tmp), arch, endianess=reader.endianess)
     try:
-        for field in reader.fields.values():
-            if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
-                continue
-            if field.name in overrides:
-                continue
-            vtype = field.types[0]
-            sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-            value = field.contents()
-            per_layer = (
-                sub is not None
-                and sub != gguf.GGUFValueType.STRING
-                and field.name.startswith(f"{arch}.")
-                and len(value) == layers.block_count
-            )
-            if per_layer:
-                value = value[start:end]
-            writer.add_key_value(field.name, value, vtype, sub_type=sub)
-        for key, (value, vtype) in overrides.items():
-            sub = gguf.GGUFValueType.BOOL if isinstance(value, list) else None
-            writer.add_key_value(key, value, gguf.GGUFValueType.ARRAY if sub else vtype, sub_type=sub)
-
-        kept: list[tuple[str, Any]] = []
-        for tensor in reader.tensors:
-            m = _BLOCK.match(tensor.name)
-            if m is None:
-                kept.append((tensor.name, tensor))
-            elif start <= int(m.group(1)) < end:
-                kept.append((f"blk.{int(m.group(1)) - start}.{m.group(2)}", tensor))
-        for name, tensor in kept:
-            writer.add_tensor_info(name, tensor.data.shape, tensor.data.dtype, tensor.data.nbytes, tensor.tensor_type)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        for _, tensor in kept:
-            writer.write_tensor_data(tensor.data, tensor_endianess=reader.endianess)
-        writer.close()
+        with src.open("rb") as fin, tmp.open("wb") as fout:
+            _write(fout, fin, header, entries, kept)
         os.replace(tmp, out)
     except BaseException:
-        writer.close()
         tmp.unlink(missing_ok=True)
         raise
     return out
+
+
+def _align(n: int, alignment: int) -> int:
+    return -(-n // alignment) * alignment
+
+
+def _write(
+    fout: BinaryIO, fin: BinaryIO, header: Header, entries: list[bytes], kept: list[tuple[str, TensorInfo]]
+) -> None:
+    align = header.alignment
+    infos, offset = [], 0
+    for name, t in kept:
+        offset = _align(offset, align)
+        infos.append(encode_string(name) + struct.pack("<I", len(t.dims)) + struct.pack(f"<{len(t.dims)}Q", *t.dims)
+                     + struct.pack("<IQ", t.ggml_type, offset))  # fmt: skip
+        offset += t.nbytes
+    fout.write(struct.pack("<IIQQ", MAGIC, 3, len(kept), len(entries)))
+    for raw in (*entries, *infos):
+        fout.write(raw)
+    fout.write(b"\0" * (_align(fout.tell(), align) - fout.tell()))
+    data_start = fout.tell()
+    for _, t in kept:
+        fout.write(b"\0" * (_align(fout.tell() - data_start, align) - (fout.tell() - data_start)))
+        fin.seek(header.data_offset + t.offset)
+        left = t.nbytes
+        while left:
+            chunk = fin.read(min(left, _CHUNK))
+            if not chunk:
+                raise ShardError("the source file ends before its tensor data does")
+            fout.write(chunk)
+            left -= len(chunk)
 
 
 def stage_bounds(block_count: int, *, stages: int | None = None, split: Sequence[int] = ()) -> list[tuple[int, int]]:
@@ -145,16 +172,15 @@ def stage_bounds(block_count: int, *, stages: int | None = None, split: Sequence
     else:
         cuts = [0, *split, block_count]
         if any(b <= a for a, b in itertools.pairwise(cuts)):
-            raise ShardError(
-                f"--split {','.join(map(str, split))}: boundaries must increase within 1..{block_count - 1}"
-            )
+            shown = ",".join(map(str, split))
+            raise ShardError(f"--split {shown}: boundaries must increase within 1..{block_count - 1}")
     return list(itertools.pairwise(cuts))
 
 
 def write_stages(
-    src: Path, out_dir: Path, bounds: Sequence[tuple[int, int]], reader: gguf.GGUFReader | None = None
+    src: Path, out_dir: Path, bounds: Sequence[tuple[int, int]], header: Header | None = None
 ) -> list[Path]:
     """One shard per layer range, named `{stem}.layers-A-B.gguf` in `out_dir`."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    reader = reader or open_reader(src)
-    return [write_shard(src, a, b, out_dir / f"{src.stem}.layers-{a}-{b}.gguf", reader) for a, b in bounds]
+    header = header or open_header(src)
+    return [write_shard(src, a, b, out_dir / f"{src.stem}.layers-{a}-{b}.gguf", header) for a, b in bounds]

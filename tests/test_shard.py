@@ -13,12 +13,16 @@ from engine.gguf_facts import KEY_LAYER_END, KEY_LAYER_START, KEY_SOURCE_BLOCKS
 from neuron_tai.cli import main
 from neuron_tai.shard import (
     ShardError,
-    open_reader,
     read_model_layers,
     stage_bounds,
     write_shard,
 )
 from neuron_tai.testmodel import write_tiny_model
+
+
+def open_reader(path: Path) -> gguf.GGUFReader:
+    """The gguf package's own reader: an independent check of what the shard tool wrote."""
+    return gguf.GGUFReader(str(path), "r")
 
 
 def field(path: Path, key: str) -> object:
@@ -136,3 +140,24 @@ def test_cli_shard(tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixtu
     ]
     assert main(["shard", str(tiny_model), "--layers", "0:9", "-o", str(tmp_path / "x.gguf")]) == 2
     assert "not within the model's 4 layers" in capsys.readouterr().err
+
+
+def test_header_reader_agrees_with_the_gguf_package(tiny_gemma: Path, tmp_path: Path) -> None:
+    from engine.gguf_header import HeaderError, read_header  # noqa: PLC0415
+
+    ours = read_header(tiny_gemma)
+    theirs = open_reader(tiny_gemma)
+    for key in ("general.architecture", "gemma3.block_count", "gemma3.attention.sliding_window",
+                "tokenizer.ggml.bos_token_id", "gemma3.attention.layer_norm_rms_epsilon"):  # fmt: skip
+        assert ours.get(key) == pytest.approx(field(tiny_gemma, key)), key
+    tokens = field(tiny_gemma, "tokenizer.ggml.tokens")
+    assert isinstance(tokens, list) and ours.entries["tokenizer.ggml.tokens"].count == len(tokens)
+    assert [(t.name, t.offset, t.nbytes) for t in ours.tensors] == [
+        (t.name, int(t.data_offset) - ours.data_offset, int(t.n_bytes)) for t in theirs.tensors
+    ]
+    truncated = tmp_path / "cut.gguf"
+    truncated.write_bytes(tiny_gemma.read_bytes()[:3000])
+    for bad in (truncated, tmp_path / "empty.gguf"):
+        bad.touch()
+        with pytest.raises(HeaderError):
+            read_header(bad)
