@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -41,11 +41,14 @@ def tiny_gemma(model_dir: Path) -> Path:
 
 # F32 cache and no flash attention (llama.cpp's CPU kernel rounds through f16) for the
 # F32 test model: batched-vs-solo differences stay at F32 rounding size.
+# `open_backend(path, config)`: a backend that is closed when the test ends.
+OpenBackend = Callable[..., StageBackend]
+
 CONFIG = ContextConfig(n_seq_max=8, n_ctx=1024, n_batch=64, n_ubatch=16, kv_type="f32", flash_attn=False)
 
 
 @pytest.fixture
-def open_backend() -> Iterator[type[StageBackend]]:
+def open_backend() -> Iterator[OpenBackend]:
     """Open backends that are closed when the test ends: `open_backend(path, config)`."""
     opened: list[StageBackend] = []
 
@@ -54,6 +57,6 @@ def open_backend() -> Iterator[type[StageBackend]]:
         opened.append(backend)
         return backend
 
-    yield make  # type: ignore[misc]
+    yield make
     for backend in opened:
         backend.close()

@@ -22,9 +22,7 @@ from engine.backend import (
 from engine.local_chain import LocalChain
 from engine.sampling import SamplingParams
 from neuron_tai.shard import write_stages
-from tests.conftest import CONFIG
-
-OpenBackend = Any
+from tests.conftest import CONFIG, OpenBackend
 
 
 def prompts(seed: int, lengths: list[int], n_vocab: int = 268) -> dict[str, list[int]]:
