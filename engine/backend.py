@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import llama_cpp as lc
@@ -169,13 +169,6 @@ class _Sequence:
     sampler: SamplerChain | None = None
 
 
-@dataclass(slots=True)
-class _Buffers:
-    batch: BatchBuffer
-    capture: HiddenCapture | None = None
-    log: list[str] = field(default_factory=list)
-
-
 class StageBackend:
     """Runs one layer range of a GGUF model for up to `n_seq_max` sequences."""
 
@@ -208,7 +201,8 @@ class StageBackend:
             m.close()
             raise
         self.context_log = lines
-        self._buf = _Buffers(BatchBuffer(config.n_batch, 0 if self.info.first else m.n_embd), capture)
+        self._batch = BatchBuffer(config.n_batch, 0 if self.info.first else m.n_embd)
+        self._capture = capture
         self._seqs: dict[int, _Sequence] = {}
         self.decode_seconds = 0.0  # time spent inside llama_decode, for overhead accounting
         self.decode_calls = 0
@@ -351,23 +345,22 @@ class StageBackend:
     def decode(self, segments: Sequence[Segment]) -> list[SegmentResult]:
         """Run one batch; returns one result per segment, in order."""
         self.validate(segments)
-        buf = self._buf
-        buf.batch.clear()
+        self._batch.clear()
         rows: list[range] = []
         for s in segments:
             outputs = s.output in (Output.HIDDEN, Output.PAD)
-            r = buf.batch.add(s.seq, s.pos, tokens=s.tokens, hidden=s.hidden, outputs=outputs)
+            r = self._batch.add(s.seq, s.pos, tokens=s.tokens, hidden=s.hidden, outputs=outputs)
             if s.output in (Output.LOGITS, Output.TOKEN):
-                buf.batch.logits[r.stop - 1] = 1
+                self._batch.logits[r.stop - 1] = 1
             rows.append(r)
-        if buf.capture is not None:
-            buf.capture.reset()
+        if self._capture is not None:
+            self._capture.reset()
         started = time.perf_counter()
-        rc = self.ctx.decode(buf.batch.view())
+        rc = self.ctx.decode(self._batch.view())
         self.decode_seconds += time.perf_counter() - started
         self.decode_calls += 1
         expected = sum(s.n for s in segments if s.output in (Output.HIDDEN, Output.PAD))
-        if rc == 0 and buf.capture is not None and (buf.capture.overflow or buf.capture.rows != expected):
+        if rc == 0 and self._capture is not None and (self._capture.overflow or self._capture.rows != expected):
             rc = -100  # the capture did not see the rows it must: treat as fatal, roll back
         if rc != 0:
             for s in segments:
@@ -382,12 +375,12 @@ class StageBackend:
             state = self._seqs[s.seq]
             state.length += s.n
             if s.output is Output.HIDDEN:
-                assert self._buf.capture is not None
-                hidden = self._buf.capture.buffer[captured : captured + s.n].copy()
+                assert self._capture is not None
+                hidden = self._capture.buffer[captured : captured + s.n].copy()
                 captured += s.n
                 results.append(SegmentResult(s.seq, hidden=hidden))
             elif s.output is Output.PAD:
-                captured += s.n if self._buf.capture is not None else 0
+                captured += s.n if self._capture is not None else 0
                 results.append(SegmentResult(s.seq))
             elif s.output is Output.LOGITS:
                 row = np.ctypeslib.as_array(self.ctx.logits_row(r.stop - 1), shape=(self.info.n_vocab,))

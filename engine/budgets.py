@@ -67,9 +67,7 @@ class Budgets:
 
     weights_bytes: int
     kv_bytes: int
-    kv_cells: int
     scratch_bytes: int
-    queue_bytes: int
 
     def violations(self, limits: Limits) -> list[str]:
         """One message per budget that does not fit, naming it and the numbers."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -119,7 +120,7 @@ def plan_budgets(config: EngineConfig, facts: ModelFacts) -> tuple[Budgets, int]
     ctx = config.context()
     shape = KvShape(facts.k_widths, facts.v_widths, facts.swa, facts.n_swa)
     layout = kv_layout(shape, ctx.n_ctx, ctx.n_seq_max, ctx.n_ubatch, KV_TYPES[ctx.kv_type][1], ctx.swa_full)
-    budgets = Budgets(facts.weights_bytes, layout.bytes, layout.cells, 0, config.queue_budget_bytes)
+    budgets = Budgets(facts.weights_bytes, layout.bytes, scratch_bytes=0)
     problems = budgets.violations(config.limits)
     if problems:
         raise BudgetError("configuration does not fit: " + "; ".join(problems))
@@ -152,9 +153,9 @@ class Engine:
         )
         output_rows = config.n_batch if (not self.info.last or config.batch_invariant) else config.max_sessions
         scratch = backend.compute_buffer_bytes + backend.output_buffer_bytes(output_rows)
-        self.budgets = Budgets(budgets.weights_bytes, budgets.kv_bytes, cells, scratch, config.queue_budget_bytes)
+        self.budgets = Budgets(budgets.weights_bytes, budgets.kv_bytes, scratch)
         self.telemetry = Telemetry()
-        self.iterations: list[IterationRecord] = []
+        self.iterations: deque[IterationRecord] = deque(maxlen=100_000)  # when record_iterations
         self.pad_seq = backend.open_sequence() if config.batch_invariant else None
         self.graveyard = backend.open_sequence() if config.batch_invariant else None
         self._inbox_send, self._inbox = trio.open_memory_channel[tuple[Request, ReplyTo]](config.inbox_size)
@@ -362,14 +363,14 @@ class Engine:
             self.backend.rewind(session.seq, request.pos)
 
     def _rollback(self, request: Rollback) -> Result:
-        session = self.scheduler.sessions.get((request.owner, request.session))
+        key = (request.owner, request.session)
+        session = self.scheduler.sessions.get(key)
         if session is None:
             return Closed(request.session, existed=False)
-        if session.step is None and request.pos <= session.length and self.backend.can_rewind(session.seq, request.pos):
+        if self.backend.can_rewind(session.seq, request.pos) and self.scheduler.rollback(key, request.pos):
             self.backend.rewind(session.seq, request.pos)
-            session.length = request.pos
             return Closed(request.session, existed=True)
-        self._close(session.key, "the session could not be rolled back")
+        self._close(key, "the session could not be rolled back")
         return Closed(request.session, existed=False)
 
     def _close(self, key: Any, why: str) -> bool:
@@ -380,10 +381,10 @@ class Engine:
         if self.graveyard is None:
             self.backend.close_sequence(session.seq)
         else:
-            self.scheduler.kv_held += self.backend.retire_sequence(session.seq, self.graveyard)
+            self.scheduler.hold(self.backend.retire_sequence(session.seq, self.graveyard))
             if not self.scheduler.sessions:  # nobody's layout left to protect
                 self.backend.release_graveyard(self.graveyard)
-                self.scheduler.kv_held = 0
+                self.scheduler.release_held()
         if session.step is not None:
             work: _Work = session.step.payload  # type: ignore[assignment]
             work.reply(self._count(Failure("unknown_session", f"{why} before this step ran")))

@@ -378,6 +378,21 @@ class Scheduler:
             failed.append(step)
         return failed
 
+    def rollback(self, key: SessionKey, pos: int) -> bool:
+        """Shorten an idle session to `pos` (a completed step undone); False if it cannot be."""
+        session = self.sessions.get(key)
+        if session is None or session.step is not None or pos > session.length:
+            return False
+        session.length = pos
+        return True
+
+    def hold(self, cells: int) -> None:
+        """Keep a closed session's cells counted until `release_held` (batch-invariant mode)."""
+        self.kv_held += cells
+
+    def release_held(self) -> None:
+        self.kv_held = 0
+
     def idle_sessions(self, now_ms: float, idle_ms: float) -> list[SessionKey]:
         return [k for k, s in self.sessions.items() if s.step is None and now_ms - s.last_active_ms >= idle_ms]
 

@@ -92,7 +92,7 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
         n_threads=args.threads,
         kv_type=args.kv_type,
         flash_attn={"auto": None, "on": True, "off": False}[args.flash_attn],
-        max_prefill_tokens=min(args.max_prefill, args.n_batch),
+        max_prefill_tokens=args.max_prefill,
         max_step_tokens=args.max_step_tokens,
         queue_budget_bytes=args.queue_budget,
         batch_invariant=args.batch_invariant,

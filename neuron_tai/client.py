@@ -68,7 +68,7 @@ class Client:
     ) -> tuple[dict[str, Any], list[bytes]]:
         """Send one request and wait for its reply; NodeError for an `error` reply."""
         attempts = 1 + (self.retries if retry else 0)
-        for attempt in range(attempts):
+        for _attempt in range(attempts):
             rid = next(self._rids)
             send, recv = trio.open_memory_channel[tuple[dict[str, Any], list[bytes]]](1)
             self._waiting[rid] = send
@@ -82,8 +82,6 @@ class Client:
                     return reply, frames
             finally:
                 self._waiting.pop(rid, None)
-            if attempt + 1 == attempts:
-                break
         raise TimeoutError(f"no reply to {header.get('op')!r} within {self.timeout_s}s ({attempts} attempts)")
 
     async def ping(self) -> float:

@@ -179,7 +179,8 @@ class Node:
 
         def on_result(result: Result) -> bool:
             if isinstance(result, Failure):
-                return self._failure(peer, req.rid, result) or True
+                self._failure(peer, req.rid, result)
+                return True  # nothing was created for this requester: nothing to free
             assert isinstance(result, Opened)
             if self.downstream is None:
                 header = {"op": "opened", "rid": req.rid, "session": req.session,
@@ -237,7 +238,8 @@ class Node:
 
         def on_result(result: Result) -> bool:
             if isinstance(result, Failure):
-                return self._failure(peer, req.rid, result) or True
+                self._failure(peer, req.rid, result)
+                return True  # nothing was created for this requester: nothing to free
             assert isinstance(result, StepDone)
             if self.downstream is not None:
                 self.forwarding.add((peer, req.session))
@@ -307,7 +309,8 @@ class Node:
     def _close(self, peer: bytes, req: wire.Close) -> None:
         def on_result(result: Result) -> bool:
             if isinstance(result, Failure):
-                return self._failure(peer, req.rid, result) or True
+                self._failure(peer, req.rid, result)
+                return True  # nothing was created for this requester: nothing to free
             assert isinstance(result, Closed)
             if self.downstream is not None and result.existed:
                 close = {"op": "close", "session": forwarded_session(peer, req.session)}
