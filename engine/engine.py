@@ -49,7 +49,17 @@ from engine.messages import (
     StepDone,
     StepRequest,
 )
-from engine.scheduler import Call, Plan, Reason, Rejection, Scheduler, SchedulerConfig, Session, Waiter
+from engine.scheduler import (
+    INVARIANT_MAX_ROWS,
+    Call,
+    Plan,
+    Reason,
+    Rejection,
+    Scheduler,
+    SchedulerConfig,
+    Session,
+    Waiter,
+)
 from engine.telemetry import Telemetry
 
 log = logging.getLogger("neuron_tai.engine")
@@ -138,12 +148,13 @@ class Engine:
         self.backend = backend
         self.info = backend.info
         pad_reserve = config.pad_rows if config.batch_invariant else 0
+        invariant_rows = [INVARIANT_MAX_ROWS] if config.batch_invariant else []  # prefill chunks stay below the tile
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_sessions=config.max_sessions,
                 kv_cells=cells - pad_reserve,
                 n_batch=config.n_batch,
-                max_prefill_tokens=min(config.max_prefill_tokens, config.n_batch),
+                max_prefill_tokens=min(config.max_prefill_tokens, config.n_batch, *invariant_rows),
                 max_step_tokens=min(config.max_step_tokens, cells),
                 queue_budget_bytes=config.queue_budget_bytes,
                 max_waiting_opens=config.max_waiting_opens,
@@ -513,6 +524,8 @@ class Engine:
             "queue_budget_bytes": self.config.queue_budget_bytes,
             "batches_total": t.batches_total,
             "batch_rows_last": t.batch_rows_last,
+            "decode_batches_total": t.decode_batches_total,
+            "decode_rows_total": t.decode_rows_sum,
             "batch_occupancy": round(t.occupancy(self.config.n_batch), 6),
             "kv_cells_used": used,
             "kv_cells_reserved": s.kv_reserved,

@@ -48,6 +48,13 @@ class Rejection:
     retry_after_ms: int | None = None
 
 
+# llama.cpp's CPU flash attention tiles calls of 64 or more query rows over the KV cells in
+# blocks (GGML_FA_TILE_Q), so their sums depend on where a session's cells sit among other
+# sessions' cells. Below that it walks the cells one by one, skipping masked ones. Batch-
+# invariant mode keeps every call under this many rows.
+INVARIANT_MAX_ROWS = 63
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     max_sessions: int
@@ -68,6 +75,13 @@ class SchedulerConfig:
             raise ValueError(f"need 1 <= max_prefill_tokens ({self.max_prefill_tokens}) <= n_batch ({self.n_batch})")
         if self.batch_invariant and self.n_batch < _round_up(self.max_sessions, self.pad_rows):
             raise ValueError(f"batch-invariant mode pads decode rows to {self.pad_rows}: n_batch too small")
+        if self.batch_invariant and max(_round_up(self.max_sessions, self.pad_rows), self.max_prefill_tokens) > (
+            INVARIANT_MAX_ROWS
+        ):
+            raise ValueError(
+                f"batch-invariant mode keeps calls to {INVARIANT_MAX_ROWS} rows: max_sessions (padded to "
+                f"{self.pad_rows}) and max_prefill_tokens must not exceed it"
+            )
         if self.max_step_tokens < 1 or self.kv_cells < 1 or self.queue_budget_bytes < 0:
             raise ValueError("max_step_tokens and kv_cells must be >= 1, queue_budget_bytes >= 0")
 

@@ -284,12 +284,22 @@ def test_kv_budget_matches_llama_cpp_allocation(
         assert cells_logged == [padded, 256]  # full-attention cache, then the window cache
 
 
-async def invariant_traces(model: Path, pad_rows: int, partners: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+async def invariant_traces(
+    model: Path,
+    pad_rows: int,
+    partners: int,
+    *,
+    max_prefill: int = 16,
+    mine_len: int = 37,
+    partner_len: int = 5,
+    n_batch: int = 64,
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """One session's teacher-forced logits alone, then beside `partners` other sessions."""
     # Flash attention on: its kernel walks KV cells one by one, so where a session's cells sit
     # in the shared cache does not change its sums (the non-FA softmax sums across cells in SIMD
     # groups and differs at 1e-6 with the layout).
-    cfg = config(model, batch_invariant=True, pad_rows=pad_rows, max_prefill_tokens=16, flash_attn=True)
+    cfg = config(model, batch_invariant=True, pad_rows=pad_rows, max_prefill_tokens=max_prefill, flash_attn=True,
+                 n_batch=n_batch, n_ubatch=min(n_batch, 256))  # fmt: skip
 
     async def trace(engine: Engine, name: str, ids: list[int], steps: int = 20) -> list[np.ndarray]:
         await engine.request(OpenRequest("c", name, 200))
@@ -303,7 +313,7 @@ async def invariant_traces(model: Path, pad_rows: int, partners: int) -> tuple[l
         await engine.request(CloseRequest("c", name))  # partners leave at different times
         return out
 
-    mine = prompt(42, 37)
+    mine = prompt(42, mine_len)
     async with open_engine(cfg) as engine:
         alone = await trace(engine, "me", mine)
     async with open_engine(cfg) as engine:
@@ -314,7 +324,7 @@ async def invariant_traces(model: Path, pad_rows: int, partners: int) -> tuple[l
 
         async with trio.open_nursery() as nursery:
             for i in range(partners):
-                nursery.start_soon(run, f"p{i}", prompt(i, 5 + 7 * i))
+                nursery.start_soon(run, f"p{i}", prompt(i, partner_len + 7 * i))
             nursery.start_soon(run, "me", mine)
         assert pad_rows == 1 or any(r.pad_rows for r in engine.iterations)
         stats = engine.stats()
@@ -331,6 +341,17 @@ async def test_batch_invariant_mode_is_bit_exact_whatever_else_runs(
     tiny_model: Path, pad_rows: int, partners: int
 ) -> None:
     alone, beside = await invariant_traces(tiny_model, pad_rows, partners)
+    assert max_diff(alone, beside) == 0.0
+
+
+async def test_batch_invariant_mode_is_bit_exact_for_long_prompts(tiny_model: Path) -> None:
+    """Prompts longer than llama.cpp's flash-attention query tile (64 rows) beside partners' cells.
+
+    The CPU kernel tiles 64+ query rows over the KV cells in blocks, so a prompt's sums
+    would depend on where its cells fall among other sessions' cells; invariant mode keeps
+    its prefill calls below that size (the configured 256 is clamped).
+    """
+    alone, beside = await invariant_traces(tiny_model, 8, 3, max_prefill=256, mine_len=150, partner_len=90, n_batch=256)
     assert max_diff(alone, beside) == 0.0
 
 

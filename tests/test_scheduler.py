@@ -165,6 +165,15 @@ def test_config_refuses_starvation_prone_shapes() -> None:
         replace(CFG, max_prefill_tokens=17)
 
 
+def test_invariant_mode_keeps_every_call_under_the_attention_tile() -> None:
+    wide = replace(CFG, n_batch=512, batch_invariant=True, pad_rows=8)
+    assert replace(wide, max_sessions=56, max_prefill_tokens=63).batch_invariant
+    with pytest.raises(ValueError, match="63 rows"):
+        replace(wide, max_sessions=57)  # padded to 64 decode rows
+    with pytest.raises(ValueError, match="63 rows"):
+        replace(wide, max_prefill_tokens=64)
+
+
 class SchedulerMachine(RuleBasedStateMachine):
     """Random opens, steps (decodes, prefills, rewinds), runs, failures and closes."""
 
