@@ -86,6 +86,7 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
     engine = EngineConfig(
         model=_stage_model(args.model, args.layers),
         max_sessions=args.max_sessions,
+        max_waiting_opens=args.max_waiting,
         kv_cells=args.kv_cells,
         n_batch=args.n_batch,
         n_ubatch=min(args.n_batch, args.n_ubatch),
@@ -206,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--bind", default="tcp://127.0.0.1:5555", help="ZeroMQ address to bind")
     serve.add_argument("--next", metavar="ADDR", help="address of the next stage: forward results there")
     serve.add_argument("--max-sessions", type=int, default=8, help="sessions served at once")
+    serve.add_argument("--max-waiting", type=int, default=64, help="opens that may wait for room (with wait_ms)")
     serve.add_argument("--kv-cells", type=int, default=4096, help="KV cells shared by all sessions")
     serve.add_argument("--kv-type", choices=["f16", "f32"], default="f16", help="KV cache element type")
     serve.add_argument("--n-batch", type=int, default=512, help="rows one llama_decode call may carry")
