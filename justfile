@@ -24,6 +24,10 @@ lint: setup
 bench-setup: setup
     {{py}} -m pip install -q -e ".[bench]"
 
+# Nodes, chain and peers at concurrency 1-16, corruption proof, burst: evidence/DGR-012 (`quick`: tiny model).
+bench mode="full": bench-setup
+    {{py}} bench/report.py {{mode}}
+
 # Backend vs bare llama_decode at 1/2/4/8 sequences, and split exactness (evidence/backend_sweep.json).
 bench-backend: bench-setup
     {{py}} bench/backend_sweep.py --steps 96 --reps 7
@@ -36,8 +40,8 @@ bench-engine: bench-setup
 bench-node: bench-setup
     {{py}} bench/node_sweep.py
 
-# All sweeps; each writes its evidence even when another misses its target.
-bench: bench-setup
+# The three component sweeps; each writes its evidence even when another misses its target.
+bench-sweeps: bench-setup
     status=0; \
     {{py}} bench/backend_sweep.py --steps 96 --reps 7 || status=1; \
     {{py}} bench/engine_sweep.py || status=1; \

@@ -75,7 +75,7 @@ class BareLoop:
         self.sampler = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
         lc.llama_sampler_chain_add(self.sampler, lc.llama_sampler_init_greedy())
 
-    def _fill(self, rows: Sequence[tuple[int, int, int, bool]]) -> None:
+    def fill(self, rows: Sequence[tuple[int, int, int, bool]]) -> None:
         b = self.batch
         b.n_tokens = len(rows)
         for i, (seq, pos, tok, out) in enumerate(rows):
@@ -94,7 +94,7 @@ class BareLoop:
         lc.llama_memory_clear(mem, True)
         run_start = time.perf_counter()
         rows = [(s, p, t, p == len(pr) - 1) for s, pr in enumerate(prompts) for p, t in enumerate(pr)]
-        self._fill(rows)
+        self.fill(rows)
         assert lc.llama_decode(self.ctx, self.batch) == 0
         out_rows = [i for i, r in enumerate(rows) if r[3]]
         last = [lc.llama_sampler_sample(self.sampler, self.ctx, i) for i in out_rows]
@@ -102,7 +102,7 @@ class BareLoop:
         tokens = [[t] for t in last]
         start = time.perf_counter()
         for _ in range(steps):
-            self._fill([(s, pos[s], last[s], True) for s in range(len(prompts))])
+            self.fill([(s, pos[s], last[s], True) for s in range(len(prompts))])
             assert lc.llama_decode(self.ctx, self.batch) == 0
             last = [lc.llama_sampler_sample(self.sampler, self.ctx, i) for i in range(len(prompts))]
             for s in range(len(prompts)):

@@ -101,6 +101,7 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
         idle_timeout_s=args.idle_timeout or None,
         limits=Limits(weights=args.weight_budget, kv=args.kv_budget, scratch=args.scratch_budget),
         linger_ms=args.linger_ms,
+        prefill_share=args.prefill_share,
     )
     return NodeConfig(
         engine=engine,
@@ -227,6 +228,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=6.0,
         help="wait this long (at most 10%% of a step) for answered sessions' next steps, so they share the next batch",
+    )
+    serve.add_argument(
+        "--prefill-share",
+        type=float,
+        default=1.0,
+        help="while sessions decode, an iteration's prefill may add this many decode steps' time "
+        "(higher: faster prefill and more throughput, longer gaps between tokens)",
     )
     serve.add_argument("--idle-timeout", type=float, default=600.0, help="close sessions idle this long (s; 0 off)")
     serve.add_argument("--max-message-bytes", type=_bytes, default=64 * 2**20, help="ZMQ_MAXMSGSIZE")

@@ -1,0 +1,88 @@
+"""llama.cpp's own `llama-server`, built once from the installed llama-cpp-python's vendored sources.
+
+The peer runs the same llama.cpp as the node: the sdist of the installed llama-cpp-python
+version (from pip's cache when it is there), only the `llama-server` target, linked
+statically, cached per version under ~/.cache/neuron-tai/. A failed build is logged there
+and reported; the bench then skips this peer rather than failing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+from typing import IO
+
+import llama_cpp as lc
+
+CMAKE_FLAGS = [
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DBUILD_SHARED_LIBS=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_SERVER=ON",
+    "-DLLAMA_BUILD_UI=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",  # no downloads: the bench only uses the HTTP API
+    "-DLLAMA_OPENSSL=OFF",
+]
+
+
+def cache_dir() -> Path:
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "neuron-tai" / f"llama-server-{lc.__version__}"
+
+
+def cached_binary() -> Path | None:
+    binary = cache_dir() / "llama-server"
+    return binary if binary.is_file() and os.access(binary, os.X_OK) else None
+
+
+def ensure_llama_server() -> tuple[Path | None, str]:
+    """The cached binary, building it first if needed; (None, why) when it cannot be had."""
+    if (binary := cached_binary()) is not None:
+        return binary, f"cached {binary}"
+    root = cache_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    log_path = root / "build.log"
+    with log_path.open("w") as log:
+        try:
+            source = _vendored_source(root, log)
+            build = root / "build"
+            _run(["cmake", "-S", str(source), "-B", str(build), *CMAKE_FLAGS], log)
+            jobs = str(os.cpu_count() or 2)
+            _run(["cmake", "--build", str(build), "--target", "llama-server", "-j", jobs], log)
+            shutil.copy2(build / "bin" / "llama-server", root / "llama-server")
+        except (OSError, subprocess.CalledProcessError, tarfile.TarError) as exc:
+            return None, f"llama-server could not be built ({exc}); see {log_path}"
+    shutil.rmtree(root / "build", ignore_errors=True)
+    shutil.rmtree(root / "src", ignore_errors=True)
+    return root / "llama-server", f"built {root / 'llama-server'} (log: {log_path})"
+
+
+def _vendored_source(root: Path, log: IO[str]) -> Path:
+    """vendor/llama.cpp from the sdist of the installed llama-cpp-python version."""
+    src = root / "src"
+    target = src / "llama.cpp"
+    if (target / "CMakeLists.txt").exists():
+        return target
+    download = root / "sdist"
+    spec = f"llama-cpp-python=={lc.__version__}"
+    _run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:", spec, "-d",
+          str(download)], log)  # fmt: skip
+    archive = next(download.glob("llama_cpp_python-*.tar.gz"))
+    prefix = f"{archive.name.removesuffix('.tar.gz')}/vendor/llama.cpp/"
+    with tarfile.open(archive) as tar:
+        members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
+        for m in members:
+            m.name = m.name.removeprefix(prefix)
+        tar.extractall(target, members=[m for m in members if m.name], filter="data")
+    shutil.rmtree(download, ignore_errors=True)
+    return target
+
+
+def _run(cmd: list[str], log: IO[str]) -> None:
+    print("  $", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT)

@@ -1,0 +1,114 @@
+"""Drive a node over ZeroMQ the way an upstream client does: open, prefill, decode, close."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+import numpy.typing as npt
+import trio
+
+from bench.latency import Trace
+from bench.workload import Request
+from neuron_tai.client import Client, NodeError, StepReply
+
+WAIT_MS = 120_000  # opens beyond the node's session limit wait for room rather than fail
+
+
+class OpenRefused(Exception):
+    """The node refused to open the session (an admission rejection, not a failure)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+
+
+LogitsSink = Callable[[int, int, npt.NDArray[np.float32]], None]
+
+
+async def generate(
+    client: Client,
+    req: Request,
+    session: str,
+    *,
+    forced: Sequence[int] | None = None,
+    on_logits: LogitsSink | None = None,
+    busy: list[int] | None = None,
+) -> Trace:
+    """One request in its own session: `max_new` tokens, end-of-text ignored.
+
+    With `forced`, the decode steps feed those tokens instead of the generated ones
+    (teacher forcing), so two runs see identical inputs; `on_logits(rid, step, logits)`
+    then receives every step's logits. A `busy` answer to a step is retried after the
+    node's `retry_after_ms`, as a well-behaved client does; each one is appended to `busy`.
+    """
+    trace = Trace(req.rid)
+    out = "logits" if on_logits is not None else "token"
+    try:
+        await client.open(session, req.max_tokens, wait_ms=WAIT_MS)
+    except NodeError as exc:
+        raise OpenRefused(exc.code, str(exc)) from exc
+    try:
+        reply = await _step(client, session, 0, list(req.prompt), out, busy)
+        pos = len(req.prompt)
+        for i in range(req.max_new):
+            if reply.logits is not None:
+                assert on_logits is not None
+                on_logits(req.rid, i, reply.logits)
+                trace.add(int(np.argmax(reply.logits)))
+            else:
+                assert reply.token is not None
+                trace.add(reply.token)
+            if i + 1 == req.max_new:
+                break
+            feed = forced[i] if forced is not None else trace.tokens[-1]
+            reply = await _step(client, session, pos, [feed], out, busy)
+            pos += 1
+    finally:
+        with trio.CancelScope(shield=True), trio.move_on_after(client.timeout_s):
+            await client.close(session)
+    return trace
+
+
+async def _step(
+    client: Client, session: str, pos: int, tokens: list[int], out: str, busy: list[int] | None
+) -> StepReply:
+    while True:
+        try:
+            return await client.step(session, pos, tokens=tokens, out=out)
+        except NodeError as exc:
+            if exc.code != "busy" or busy is None:
+                raise
+            busy.append(exc.retry_after_ms or 0)
+            await trio.sleep(max(exc.retry_after_ms or 0, 1) / 1000)
+
+
+async def closed_loop(
+    client: Client,
+    requests: Sequence[Request],
+    concurrency: int,
+    tag: str,
+    *,
+    forced: Mapping[int, Sequence[int]] | None = None,
+    on_logits: LogitsSink | None = None,
+) -> tuple[list[Trace], float]:
+    """`concurrency` workers each take the next request as soon as their last one is done.
+
+    Returns the traces in request order and the run's wall time.
+    """
+    pending = iter(requests)
+    traces: dict[int, Trace] = {}
+
+    async def worker() -> None:
+        for req in pending:
+            traces[req.rid] = await generate(
+                client, req, f"{tag}-{req.rid}", forced=forced.get(req.rid) if forced else None, on_logits=on_logits
+            )
+
+    start = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        for _ in range(concurrency):
+            nursery.start_soon(worker)
+    wall = time.perf_counter() - start
+    return [traces[r.rid] for r in requests], wall

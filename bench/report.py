@@ -1,0 +1,324 @@
+"""`just bench`: the node against what users would otherwise run, with proof that sessions never mix.
+
+One run, on real processes over loopback: a single node and a 2-stage chain (each also in
+batch-invariant mode), llama.cpp's `llama-server -np 8`, llama-cpp-python's `Llama`
+serving requests one after another, and the bare llama_decode loop. The same seeded
+prompts of mixed lengths and token counts go to each at concurrency 1, 2, 4, 8 and 16.
+Then the corruption proof, a burst beyond the node's limits, and the report in
+evidence/DGR-012/ (`quick`: the tiny test model, no peer that needs a build, report under
+.bench/). Exits 1 on any bit-exact mismatch or lost session.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("GOMP_SPINCOUNT", "20000")  # what `neuron-tai serve` uses, for the in-process peers too
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import plots, report_markdown
+from bench.admission import burst
+from bench.aggregate import saturation
+from bench.bare_waves import run_waves
+from bench.common import EVIDENCE, WORK, BareLoop, command_line, gemma_path
+from bench.latency import Trace, summarize
+from bench.llama_server import cached_binary, ensure_llama_server
+from bench.node_driver import closed_loop
+from bench.processes import Processes, node_ready, open_processes
+from bench.progress import say
+from bench.proofs import default_mode, invariant_proof
+from bench.python_peer import open_llama, run_serial
+from bench.server_peer import closed_loop as server_loop
+from bench.server_peer import healthy, server_command
+from bench.stats_sampler import StatsSampler
+from bench.systems import BARE, CHAIN, NODE_FAST, PYTHON, SERVER
+from bench.systems import NODE as SINGLE
+from bench.workload import CORPUS, Request, make_requests
+from engine.backend import ContextConfig
+from engine.gguf_facts import read_facts
+from neuron_tai.client import open_client
+from neuron_tai.testmodel import write_tiny_model
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What one bench run measures and where it writes."""
+
+    mode: str
+    requests: int
+    max_new: int
+    max_prompt: int
+    concurrencies: tuple[int, ...]
+    reps: int
+    kv_cells: int
+    ctx_per_slot: int
+    build_server: bool  # quick mode only uses a llama-server that is already built
+    burst_queue_bytes: int  # the burst node's queue budget: room for one long prompt or a few short ones
+    out_dir: Path
+    seed: int = 12
+
+
+FULL = Plan(mode="full", requests=16, max_new=32, max_prompt=256, concurrencies=(1, 2, 4, 8, 16), reps=3,
+            kv_cells=4096, ctx_per_slot=512, build_server=True, burst_queue_bytes=1024,
+            out_dir=EVIDENCE / "DGR-012")  # fmt: skip
+QUICK = Plan(mode="quick", requests=16, max_new=16, max_prompt=64, concurrencies=(1, 2, 4, 8, 16), reps=1,
+             kv_cells=2048, ctx_per_slot=256, build_server=False, burst_queue_bytes=256,
+             out_dir=WORK / "DGR-012-quick")  # fmt: skip
+MAX_SESSIONS = 8
+
+
+# -- set-up ---------------------------------------------------------------------------
+
+
+def bench_model(plan: Plan) -> Path:
+    if plan.mode == "quick":
+        path = WORK / "tiny" / "tiny-llama.gguf"
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_tiny_model(path)
+        return path
+    return gemma_path()
+
+
+def shard_in_two(model: Path) -> list[Path]:
+    """`neuron-tai shard MODEL --stages 2`, exactly as an operator would run it."""
+    out = WORK / "shards" / model.stem
+    cmd = [sys.executable, "-m", "neuron_tai.cli", "shard", str(model), "--stages", "2", "-o", str(out)]
+    say("$ neuron-tai shard " + " ".join(cmd[4:]))
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    n = read_facts(model).block_count
+    half = round(n / 2)
+    return [out / f"{model.stem}.layers-0-{half}.gguf", out / f"{model.stem}.layers-{half}-{n}.gguf"]
+
+
+def llama_server(plan: Plan) -> tuple[Path | None, str]:
+    """The cached llama-server; full mode builds it first if needed (once, about 6 minutes on 2 cores)."""
+    if not plan.build_server or cached_binary() is not None:
+        return cached_binary(), ""
+    say("building llama-server from the vendored llama.cpp (once; about 6 minutes on 2 cores) ...")
+    return ensure_llama_server()
+
+
+def serve(procs: Processes, name: str, model: Path, port: int, threads: int, extra: list[str]) -> str:
+    address = f"tcp://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "neuron_tai.cli", "serve", str(model), "--bind", address, "--threads", str(threads),
+           "--log-level", "warning", *extra]  # fmt: skip
+    procs.start(name, cmd, node_ready)
+    say(f"started {name}: {address}")
+    return address
+
+
+def free_ports(n: int) -> list[int]:
+    import socket  # noqa: PLC0415
+
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [int(s.getsockname()[1]) for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+@dataclass(slots=True)
+class Nodes:
+    single: str
+    chain: str
+    chain_tail: str
+    single_fast: str
+    single_inv: str
+    chain_inv: str
+    burst: str
+    server_port: int | None
+    server_note: str
+
+
+def start_all(procs: Processes, plan: Plan, model: Path, shards: list[Path], server: tuple[Path | None, str]) -> Nodes:
+    ports = free_ports(9)
+    limits = ["--max-sessions", str(MAX_SESSIONS), "--max-waiting", str(MAX_SESSIONS), "--kv-cells", str(plan.kv_cells)]
+    invariant = ["--batch-invariant"] + (["--flash-attn", "on"] if plan.mode == "quick" else [])
+    single = serve(procs, "single", model, ports[0], 2, limits)
+    single_fast = serve(procs, "single-prefill-share-4", model, ports[8], 2, [*limits, "--prefill-share", "4"])
+    tail = serve(procs, "chain2-tail", shards[1], ports[1], 1, limits)
+    head = serve(procs, "chain2-head", shards[0], ports[2], 1, [*limits, "--next", tail])
+    single_inv = serve(procs, "single-invariant", model, ports[3], 2, [*limits, *invariant])
+    tail_inv = serve(procs, "chain2-invariant-tail", shards[1], ports[4], 1, [*limits, *invariant])
+    head_inv = serve(procs, "chain2-invariant-head", shards[0], ports[5], 1, [*limits, *invariant, "--next", tail_inv])
+    burst_node = serve(procs, "burst", model, ports[6], 2, ["--max-sessions", "4", "--max-waiting", "4",
+                       "--queue-budget", str(plan.burst_queue_bytes), "--kv-cells", str(plan.kv_cells)])  # fmt: skip
+    binary, note = server
+    port: int | None = None
+    if binary is None:
+        note = note or "skipped in quick mode: llama-server is not built yet (`just bench` builds it once)"
+        say(f"llama-server: {note}")
+    else:
+        port = ports[7]
+        cmd = server_command(binary, model, port, MAX_SESSIONS, plan.ctx_per_slot, 2)
+        procs.start("llama-server", cmd, lambda _log: healthy(port))
+        note = note or f"cached {binary}"
+        say(f"started llama-server: http://127.0.0.1:{port} ({note})")
+    return Nodes(single, head, tail, single_fast, single_inv, head_inv, burst_node, port, note)
+
+
+# -- the sweep --------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Sweep:
+    runs: list[dict[str, Any]]
+    tokens: dict[tuple[str, int], dict[int, list[int]]]  # (system, concurrency) -> rid -> tokens (first rep)
+
+
+def record(sweep: Sweep, system: str, c: int, rep: int, traces: list[Trace], wall: float) -> None:
+    row = {"system": system, "concurrency": c, "rep": rep, **summarize(traces, wall)}
+    sweep.runs.append(row)
+    sweep.tokens.setdefault((system, c), {t.rid: t.tokens for t in traces})
+    say(f"{system:<34} c={c:<2} rep {rep}: {row['tok_s']:8.2f} tok/s  TTFT p50 {row['ttft_p50_ms']} ms  "
+        f"ITL p50 {row['itl_p50_ms']} ms p99 {row['itl_p99_ms']} ms")  # fmt: skip
+
+
+async def sweep(
+    plan: Plan, model: Path, nodes: Nodes, requests: list[Request], sampler: StatsSampler, bare: BareLoop
+) -> Sweep:
+    result = Sweep([], {})
+    llm = open_llama(model, plan.ctx_per_slot, 2)
+    try:
+        async with (
+            open_client(nodes.single, timeout_s=300) as single,
+            open_client(nodes.single_fast, timeout_s=300) as single_fast,
+            open_client(nodes.chain, timeout_s=300) as chain,
+        ):
+            systems = [SINGLE, NODE_FAST, CHAIN, *([SERVER] if nodes.server_port else []), BARE]
+            for c in plan.concurrencies:
+                for rep in range(plan.reps):
+                    order = systems if rep % 2 == 0 else systems[::-1]
+                    if c == plan.concurrencies[0]:
+                        order = [*order, PYTHON]  # it serves one request at a time whatever the concurrency
+                    for system in order:
+                        sampler.phase = f"{system} c={c}"
+                        tag = f"{system.replace(' ', '')}-c{c}-r{rep}"
+                        if system == SINGLE:
+                            traces, wall = await closed_loop(single, requests, c, tag)
+                        elif system == NODE_FAST:
+                            traces, wall = await closed_loop(single_fast, requests, c, tag)
+                        elif system == CHAIN:
+                            traces, wall = await closed_loop(chain, requests, c, tag)
+                        elif system == SERVER:
+                            assert nodes.server_port is not None
+                            traces, wall = await trio.to_thread.run_sync(server_loop, nodes.server_port, requests, c)
+                        elif system == BARE:
+                            traces, wall = run_waves(bare, requests, c, 512)
+                        else:
+                            traces, wall = run_serial(llm, requests)
+                        record(result, system, c, rep, traces, wall)
+                        sampler.phase = "idle"
+    finally:
+        llm.close()
+    return result
+
+
+# -- main -------------------------------------------------------------------------------
+
+
+async def run(plan: Plan, model: Path, nodes: Nodes) -> dict[str, Any]:
+    async with open_client(nodes.single, timeout_s=60) as client:
+        corpus = await client.tokenize(CORPUS, add_special=False)
+        start = await client.tokenize("", add_special=True)
+        bos = start[0] if start else None
+    requests = make_requests(corpus, plan.requests, plan.max_new, seed=plan.seed, max_prompt=plan.max_prompt, bos=bos)
+    say(f"workload: {len(requests)} requests, prompts {min(len(r.prompt) for r in requests)}-"
+        f"{max(len(r.prompt) for r in requests)} tokens, {plan.max_new} new tokens each, seed {plan.seed}")  # fmt: skip
+    watched = {"single": nodes.single, "chain2-head": nodes.chain, "chain2-tail": nodes.chain_tail}
+    sampler = StatsSampler(watched)
+    primary = requests[:MAX_SESSIONS]
+    bare = BareLoop(model, ContextConfig(n_seq_max=16, n_ctx=16 * plan.ctx_per_slot, n_batch=512, n_ubatch=512,
+                                         n_threads=2))  # fmt: skip
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(sampler.run)
+            result = await sweep(plan, model, nodes, requests, sampler, bare)
+            nursery.cancel_scope.cancel()
+        default = await default_mode(nodes.single, result.tokens, primary, bare)
+    finally:
+        bare.close()
+    partners = [replace(r, rid=100 + r.rid) for r in requests[MAX_SESSIONS : 2 * MAX_SESSIONS]]
+    invariant = await invariant_proof(nodes.single_inv, nodes.chain_inv, primary, partners)
+    burst_requests = [replace(requests[i % len(requests)], rid=200 + i) for i in range(24)]
+    say(f"burst: 24 clients at once; the node takes 4 sessions, 4 waiting, {plan.burst_queue_bytes} B of queued steps")
+    admission = await burst(nodes.burst, burst_requests)
+    got, expected = admission["tokens_received"], admission["tokens_expected"]
+    say(f"burst: accepted {admission['accepted']}, refused {admission['refused']}, "
+        f"busy retries {admission['busy_retries']}, tokens {got}/{expected}")  # fmt: skip
+    return {"workload": [{"rid": r.rid, "prompt_tokens": len(r.prompt), "max_new": r.max_new} for r in requests],
+            "runs": result.runs, "telemetry": sampler.samples, "default_mode": default, "invariant": invariant,
+            "admission": admission, "mismatches": invariant["mismatches"]}  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("mode", nargs="?", choices=["full", "quick"], default="full")
+    parser.add_argument("--out", type=Path, help="report directory (default: evidence/DGR-012, quick: .bench/)")
+    parser.add_argument(
+        "--render-only", type=Path, metavar="DIR", help="redraw DIR's plots and README from its bench.json"
+    )
+    args = parser.parse_args()
+    if args.render_only:
+        report = json.loads((args.render_only / "bench.json").read_text())
+        plots.draw_all(report, args.render_only)
+        (args.render_only / "README.md").write_text(report_markdown.render(report))
+        return 0
+    plan = QUICK if args.mode == "quick" else FULL
+    if args.out:
+        plan = replace(plan, out_dir=args.out)
+    started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    say(f"bench {plan.mode}: model ...")
+    model = bench_model(plan)
+    shards = shard_in_two(model)
+    server = llama_server(plan)
+    with open_processes(WORK / "logs") as procs:
+        nodes = start_all(procs, plan, model, shards, server)
+        payload = trio.run(run, plan, model, nodes)
+    payload["processes"] = [{"name": n, "pid": pid, "exit_status": rc} for n, (pid, rc) in procs.ended.items()]
+    report = {"command": command_line(), "started": started, "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+              "plan": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(plan).items()},
+              "model": model.name, "chain2_shards": [s.name for s in shards], "llama_server": nodes.server_note,
+              "sessions_max": MAX_SESSIONS,
+              **report_markdown.machine(), **payload}  # fmt: skip
+    report["saturation"] = saturation(report["runs"])
+    plan.out_dir.mkdir(parents=True, exist_ok=True)
+    (plan.out_dir / "bench.json").write_text(json.dumps(report, indent=1) + "\n")
+    plots.draw_all(report, plan.out_dir)
+    (plan.out_dir / "README.md").write_text(report_markdown.render(report))
+    say(f"report: {plan.out_dir}/README.md, bench.json, {', '.join(plots.FILES)}")
+    admission = report["admission"]
+    lost = admission["incomplete_sessions"] or admission["tokens_received"] != admission["tokens_expected"]
+    if report["mismatches"] or lost:
+        print(f"FAILED: {report['mismatches']} bit-exact mismatches; lost sessions: {bool(lost)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def interrupted() -> int:
+    print("interrupted: every process the bench started was stopped", file=sys.stderr)
+    return 130
+
+
+if __name__ == "__main__":
+    status = 1
+    try:
+        status = main()
+    except* KeyboardInterrupt:  # Ctrl-C or SIGTERM, raised in whichever task was running
+        status = interrupted()
+    sys.exit(status)

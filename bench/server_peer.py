@@ -1,0 +1,81 @@
+"""llama.cpp's `llama-server` as a peer: started with `-np` slots, driven over HTTP with streaming."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from bench.latency import Trace
+from bench.workload import Request
+
+
+def server_command(binary: Path, model: Path, port: int, slots: int, ctx_per_slot: int, threads: int) -> list[str]:
+    return [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
+            "-c", str(slots * ctx_per_slot), "-t", str(threads), "-tb", str(threads), "-b", "512", "-ub", "512",
+            "-fa", "on", "--cache-ram", "0", "--no-webui"]  # fmt: skip
+
+
+def healthy(port: int) -> bool:
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+        conn.request("GET", "/health")
+        ok = conn.getresponse().status == 200
+        conn.close()
+        return ok
+    except OSError:
+        return False
+
+
+def complete(port: int, req: Request) -> Trace:
+    """One streamed /completion: greedy, `max_new` tokens, end-of-text ignored, no prompt cache."""
+    body = {"prompt": list(req.prompt), "n_predict": req.max_new, "temperature": 0.0, "top_k": 1,
+            "ignore_eos": True, "cache_prompt": False, "stream": True, "return_tokens": True}  # fmt: skip
+    trace = Trace(req.rid)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+    try:
+        conn.request("POST", "/completion", json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError(f"llama-server answered {resp.status}: {resp.read()[:200]!r}")
+        for raw in resp:
+            line = raw.strip()
+            if not line.startswith(b"data: "):
+                continue
+            event = json.loads(line[6:])
+            now = time.perf_counter()
+            trace.tokens += [int(t) for t in event.get("tokens", [])]
+            # Tokens held back (inside a UTF-8 character) arrive with a later event: same arrival time.
+            trace.times += [now] * (int(event.get("tokens_predicted", 0)) - len(trace.times))
+            if event.get("stop"):
+                break
+    finally:
+        conn.close()
+    if len(trace.times) != req.max_new:
+        raise RuntimeError(f"llama-server generated {len(trace.times)} tokens for request {req.rid}, not {req.max_new}")
+    return trace
+
+
+def closed_loop(port: int, requests: Sequence[Request], concurrency: int) -> tuple[list[Trace], float]:
+    """`concurrency` client threads, each sending the next request when its last one is done."""
+    pending = iter(requests)
+    lock = threading.Lock()
+    traces: dict[int, Trace] = {}
+
+    def worker() -> None:
+        while True:
+            with lock:
+                req = next(pending, None)
+            if req is None:
+                return
+            traces[req.rid] = complete(port, req)
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        for future in [pool.submit(worker) for _ in range(concurrency)]:
+            future.result()
+    return [traces[r.rid] for r in requests], time.perf_counter() - start

@@ -1,0 +1,10 @@
+"""Names of the systems the bench measures, as they appear in bench.json, plots and tables."""
+
+NODE = "neuron-tai single"
+NODE_FAST = "neuron-tai single, prefill-share 4"  # the same node tuned for throughput over latency
+CHAIN = "neuron-tai chain2"
+SERVER = "llama-server -np 8"
+PYTHON = "Llama serial"
+BARE = "bare llama_decode"
+SERVED = (NODE, NODE_FAST, CHAIN, SERVER)  # systems that take concurrent requests over a socket
+ALL = (NODE, NODE_FAST, CHAIN, SERVER, PYTHON, BARE)

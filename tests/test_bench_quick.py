@@ -1,0 +1,76 @@
+"""`just bench quick` end to end: real node processes on the tiny model, the report, and clean shutdown."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench.systems import BARE, CHAIN, NODE, PYTHON
+
+ROOT = Path(__file__).resolve().parent.parent
+REPORT = [sys.executable, str(ROOT / "bench" / "report.py"), "quick"]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_quick_bench_reports_every_system_and_proves_sessions_never_mix(tmp_path: Path) -> None:
+    out = tmp_path / "report"
+    proc = subprocess.run(
+        [*REPORT, "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600, check=False
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert {p.name for p in out.iterdir()} >= {"README.md", "bench.json", "throughput.png", "latency.png",
+                                               "telemetry.png"}  # fmt: skip
+    report = json.loads((out / "bench.json").read_text())
+
+    assert report["mismatches"] == 0
+    assert [c["mismatches"] for c in report["invariant"]["checks"]] == [0, 0, 0]
+    assert all(
+        c["sessions"] == 8 and c["tokens"] == 8 * report["plan"]["max_new"] for c in report["invariant"]["checks"]
+    )
+
+    swept = {(r["system"], r["concurrency"]) for r in report["runs"]}
+    for system in (NODE, CHAIN, BARE):
+        assert {c for s, c in swept if s == system} == {1, 2, 4, 8, 16}
+    assert (PYTHON, 1) in swept
+    assert all(r["tokens"] == 16 * report["plan"]["max_new"] for r in report["runs"])  # nothing lost in the sweep
+
+    burst = report["admission"]
+    assert burst["accepted"] == 8 and burst["refused"] == {"session_limit": 16}  # 4 active + 4 waiting
+    assert burst["busy_retries"] > 0 and not burst["incomplete_sessions"]
+    assert burst["tokens_received"] == burst["tokens_expected"] == 8 * report["plan"]["max_new"]
+    assert burst["stats_after"]["admissions_rejected_total"]["session_limit"] == 16
+
+    assert len(report["telemetry"]) > 0 and report["saturation"][NODE]["tok_s"]
+    assert report["processes"] and not any(alive(p["pid"]) for p in report["processes"])
+    assert "mismatches: 0" in (out / "README.md").read_text()
+
+
+def test_interrupted_bench_stops_every_process_it_started(tmp_path: Path) -> None:
+    proc = subprocess.Popen([*REPORT, "--out", str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    pids = []
+    for line in proc.stdout:
+        pids += [int(p) for p in re.findall(r": pid (\d+),", line)]
+        if "workload:" in line:  # every process is up and the sweep begins
+            break
+    proc.send_signal(signal.SIGINT)
+    rest = proc.stdout.read()
+    assert proc.wait(60) == 130, rest
+    assert len(pids) >= 7
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if alive(p)]
