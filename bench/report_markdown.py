@@ -67,6 +67,7 @@ Every figure below is read from `bench.json` of that run. Nothing here is typed 
 - `throughput.png`: aggregate tok/s against concurrency, every system.
 - `latency.png`: TTFT and inter-token latency p50/p99 against concurrency.
 - `telemetry.png`: queue depth, batch occupancy and KV pressure over the sweep, sampled from `stats`.
+- `just-bench.log` (where kept): the console output of the run, pip's chatter removed.
 
 ## Workload
 
