@@ -49,6 +49,7 @@ from engine.messages import (
     StepDone,
     StepRequest,
 )
+from engine.pacing import PrefillPace
 from engine.scheduler import (
     INVARIANT_MAX_ROWS,
     Call,
@@ -174,7 +175,7 @@ class Engine:
         self.stopped = trio.Event()
         self._idle_scope: trio.CancelScope | None = None
         self._coming_back: set[Any] = set()  # answered last iteration, next step not yet here
-        self._pace = _Pace()
+        self._pace = PrefillPace()
 
     # -- the API other tasks use ----------------------------------------------------
 
@@ -545,30 +546,6 @@ class Engine:
             "late_sessions_total": t.late_sessions_total,
             "draining": self.draining,
         }
-
-
-@dataclass(slots=True)
-class _Pace:
-    """Measured cost of a decode step and of one prefill token, for sizing prefill chunks."""
-
-    decode_ms: float | None = None
-    prefill_token_ms: float | None = None
-
-    def observe(self, decode_rows: int, prefill_rows: int, ms: float) -> None:
-        if prefill_rows == 0:
-            self.decode_ms = ms if self.decode_ms is None else self.decode_ms + 0.2 * (ms - self.decode_ms)
-            return
-        base = self.decode_ms if decode_rows and self.decode_ms is not None else 0.0
-        per_token = max(ms - base, 0.0) / prefill_rows
-        old = self.prefill_token_ms
-        self.prefill_token_ms = per_token if old is None else old + 0.2 * (per_token - old)
-
-    PROBE_TOKENS = 8  # the first prefill beside decodes is small: its cost is not known yet
-
-    def prefill_budget(self, share: float) -> int:
-        if self.decode_ms is None or not self.prefill_token_ms:
-            return self.PROBE_TOKENS
-        return max(1, int(share * self.decode_ms / self.prefill_token_ms))
 
 
 def _now_ms() -> float:

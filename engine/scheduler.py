@@ -308,7 +308,8 @@ class Scheduler:
         """The next iteration's llama_decode calls, or None when there is nothing to run.
 
         `prefill_budget` lowers the prefill rows of an iteration that also carries decodes
-        (the engine sizes it from measured step times); invariant mode keeps fixed chunks.
+        (the engine sizes it from measured step times; 0 makes it decode-only, to measure a
+        decode step); invariant mode keeps fixed chunks.
         """
         cfg = self.config
         decodes = sorted(
@@ -326,7 +327,7 @@ class Scheduler:
         else:
             budget = min(cfg.n_batch - len(decode_chunks), cfg.max_prefill_tokens)
             if decode_chunks and prefill_budget is not None:
-                budget = min(budget, max(1, prefill_budget))
+                budget = min(budget, max(0, prefill_budget))
             chunks = decode_chunks + tuple(self._prefill_chunks(budget, aligned=False))
             if chunks:
                 calls.append(Call(chunks))

@@ -47,6 +47,19 @@ def test_decode_first_then_prefill_round_robin() -> None:
     assert plan is not None and [(c.key, c.pos) for c in plan.chunks] == [("a", 8)]
 
 
+def test_a_zero_prefill_budget_makes_a_decode_only_iteration_but_never_stops_prefill_alone() -> None:
+    s = Scheduler(CFG)
+    opened(s, "a", seq=0)
+    opened(s, "b", seq=1)
+    s.submit("a", 0, 20, 80, 0.0)
+    s.submit("b", 0, 1, 4, 0.0)
+    plan = s.plan(prefill_budget=0)
+    assert plan is not None and [(c.key, c.count) for c in plan.chunks] == [("b", 1)]  # measures a decode
+    run(s, plan)
+    plan = s.plan(prefill_budget=0)  # nobody decodes: the budget does not apply
+    assert plan is not None and [(c.key, c.count) for c in plan.chunks] == [("a", CFG.max_prefill_tokens)]
+
+
 def test_large_step_is_split_and_answered_once_complete() -> None:
     s = Scheduler(CFG)
     opened(s, "a")
