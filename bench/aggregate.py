@@ -22,9 +22,8 @@ def saturation(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Per system: the first concurrency whose aggregate tok/s is within 10% of the best of the sweep.
 
     Past it, more concurrent sessions buy less than 10% more throughput (and cost latency).
-    Measured as the best level rather than gain per doubling because aggregate throughput
-    is not monotonic here: at 2 sessions the longer shared KV range can cost more than
-    batching saves.
+    Measured against the best level rather than as gain per doubling because aggregate
+    throughput is not monotonic here (it dips at 2 sessions, the bare loop's too).
     """
     out = {}
     for system, points in mean_by(runs, "tok_s").items():
