@@ -4,8 +4,9 @@ Pure (no Trio, no ctypes): the engine reports each llama_decode call's rows and 
 asks for the next budget. A decode step's cost is only measured by an iteration without
 prefill; under steady traffic such iterations stop happening on their own (some prompt
 is always waiting), so one is scheduled when the estimate is missing or stale. Without
-that the estimate never formed and prefill crawled at the probe size: on prompt-heavy
-traffic, the first token waited seconds while decode batches ran short of sessions.
+it the estimate would never form and prefill would stay at its first, smallest size: on
+prompt-heavy traffic the first token would wait seconds while decode batches run short
+of sessions.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ class PrefillPace:
     # Prefill rows beside decodes are never fewer than this (nor more than the prompt has
     # left). Small chunks cost far more per token than large ones: measured on gemma-3-270m
     # with 5 decodes, 6 prompt rows added 40 ms to a 34 ms step, while 117 rows cost 1.8 ms
-    # each; sized from the former, budgets shrank to a few rows and prefill crawled.
+    # each; sized from the former, budgets would shrink to a few rows and prefill crawl.
     MIN_CHUNK = 32
     REMEASURE_EVERY = 32  # a decode step's cost drifts with its rows and the context length
 
