@@ -19,24 +19,24 @@ from bench.node_driver import LogitsSink
 from bench.workload import Request
 
 
-def run_waves(bare: BareLoop, requests: Sequence[Request], concurrency: int, n_batch: int) -> tuple[list[Trace], float]:
+def run_waves(bare: BareLoop, requests: Sequence[Request], concurrency: int) -> tuple[list[Trace], float]:
     traces: list[Trace] = []
     start = time.perf_counter()
     for first in range(0, len(requests), concurrency):
-        traces += _wave(bare, requests[first : first + concurrency], n_batch)
+        traces += _wave(bare, requests[first : first + concurrency])
     return traces, time.perf_counter() - start
 
 
-def forced_logits(bare: BareLoop, wave: Sequence[Request], forced: Mapping[int, Sequence[int]], n_batch: int,
-                  on_logits: LogitsSink) -> None:  # fmt: skip
+def forced_logits(
+    bare: BareLoop, wave: Sequence[Request], forced: Mapping[int, Sequence[int]], on_logits: LogitsSink
+) -> None:
     """One wave fed `forced` tokens (teacher forcing); every output row's logits go to `on_logits`."""
-    _wave(bare, wave, n_batch, forced=forced, on_logits=on_logits)
+    _wave(bare, wave, forced=forced, on_logits=on_logits)
 
 
 def _wave(
     bare: BareLoop,
     wave: Sequence[Request],
-    n_batch: int,
     *,
     forced: Mapping[int, Sequence[int]] | None = None,
     on_logits: LogitsSink | None = None,
@@ -55,8 +55,8 @@ def _wave(
         return forced[wave[s].rid][len(traces[s].tokens) - 1] if forced is not None else traces[s].tokens[-1]
 
     rows = [(s, p, t, p == len(r.prompt) - 1) for s, r in enumerate(wave) for p, t in enumerate(r.prompt)]
-    for first in range(0, len(rows), n_batch):
-        chunk = rows[first : first + n_batch]
+    for first in range(0, len(rows), bare.n_batch):
+        chunk = rows[first : first + bare.n_batch]
         bare.fill(chunk)
         assert lc.llama_decode(bare.ctx, bare.batch) == 0
         for i, (s, _p, _t, out) in enumerate(chunk):

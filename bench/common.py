@@ -71,6 +71,7 @@ class BareLoop:
         ensure_backend()
         self.model = LlamaModel(model)
         self.ctx = lc.llama_init_from_model(self.model.ptr, context_params(config))
+        self.n_batch = config.n_batch
         self.batch = lc.llama_batch_init(config.n_batch, 0, 1)
         self.sampler = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
         lc.llama_sampler_chain_add(self.sampler, lc.llama_sampler_init_greedy())

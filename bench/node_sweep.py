@@ -14,7 +14,6 @@ import os
 os.environ.setdefault("GOMP_SPINCOUNT", "20000")  # what `neuron-tai serve` uses: the same for the engine here
 
 import argparse
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import WORK, best_of, gemma_path, paired_ratio, prompt_tokens, table, write_evidence
 from bench.engine_sweep import run_sessions
+from bench.processes import free_ports
 from engine.engine import EngineConfig, open_engine
 from neuron_tai.client import Client, open_client
 from neuron_tai.shard import write_stages
@@ -36,14 +36,8 @@ SERVE = ["--max-sessions", "8", "--kv-cells", "4096", "--n-batch", "512", "--max
          "warning"]  # fmt: skip
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def start_node(model: Path, threads: int, extra: list[str]) -> tuple[subprocess.Popen[str], str]:
-    address = f"tcp://127.0.0.1:{free_port()}"
+    address = f"tcp://127.0.0.1:{free_ports(1)[0]}"
     cmd = [sys.executable, "-m", "neuron_tai.cli", "serve", str(model), "--bind", address, "--threads", str(threads),
            *SERVE, *extra]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -94,6 +95,18 @@ def open_processes(log_dir: Path) -> Iterator[Processes]:
             print(f"stopping {', '.join(procs.running)} ...", file=sys.stderr, flush=True)
         procs.stop_all()
         signal.signal(signal.SIGTERM, previous)
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct loopback ports that were free a moment ago (held together while chosen)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def node_ready(log: Path) -> bool:

@@ -79,8 +79,8 @@ async def default_mode(
     out["teacher_forced"] = gap.summary()
     bare_gap = LogitsGap()
     for req in primary:
-        forced_logits(bare, [req], forced, 512, bare_gap.keep_solo)
-    forced_logits(bare, primary, forced, 512, bare_gap.compare)
+        forced_logits(bare, [req], forced, bare_gap.keep_solo)
+    forced_logits(bare, primary, forced, bare_gap.compare)
     out["teacher_forced_bare"] = bare_gap.summary()
     worst = {k: max(r["max_abs_diff"] for r in out[k]) for k in ("teacher_forced", "teacher_forced_bare")}
     say(f"default mode: teacher-forced logits alone vs together, max |diff| node {worst['teacher_forced']}, "

@@ -36,7 +36,7 @@ from bench.common import EVIDENCE, WORK, BareLoop, command_line, gemma_path
 from bench.latency import Trace, summarize
 from bench.llama_server import cached_binary, ensure_llama_server
 from bench.node_driver import closed_loop
-from bench.processes import Processes, node_ready, open_processes
+from bench.processes import Processes, free_ports, node_ready, open_processes
 from bench.progress import say
 from bench.proofs import default_mode, invariant_proof
 from bench.python_peer import open_llama, run_serial
@@ -120,18 +120,6 @@ def serve(procs: Processes, name: str, model: Path, port: int, threads: int, ext
     return address
 
 
-def free_ports(n: int) -> list[int]:
-    import socket  # noqa: PLC0415
-
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [int(s.getsockname()[1]) for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 @dataclass(slots=True)
 class Nodes:
     single: str
@@ -146,7 +134,7 @@ class Nodes:
 
 
 def start_all(procs: Processes, plan: Plan, model: Path, shards: list[Path], server: tuple[Path | None, str]) -> Nodes:
-    ports = free_ports(9)
+    ports = free_ports(9)  # all bound at once: nine distinct ports
     limits = ["--max-sessions", str(MAX_SESSIONS), "--max-waiting", str(MAX_SESSIONS), "--kv-cells", str(plan.kv_cells)]
     invariant = ["--batch-invariant"] + (["--flash-attn", "on"] if plan.mode == "quick" else [])
     single = serve(procs, "single", model, ports[0], 2, limits)
@@ -219,7 +207,7 @@ async def sweep(
                             assert nodes.server_port is not None
                             traces, wall = await trio.to_thread.run_sync(server_loop, nodes.server_port, requests, c)
                         elif system == BARE:
-                            traces, wall = run_waves(bare, requests, c, 512)
+                            traces, wall = run_waves(bare, requests, c)
                         else:
                             traces, wall = run_serial(llm, requests)
                         record(result, system, c, rep, traces, wall)

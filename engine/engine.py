@@ -91,8 +91,8 @@ class EngineConfig:
     # After answering a step, wait this long (at most 10% of the recent step time) for that
     # session's next step, so sessions stay in phase and share batches instead of drifting apart.
     linger_ms: float = 6.0
-    # While sessions decode, an iteration's prefill rows may add at most this fraction of a
-    # decode step's time (sized from measured step times), so decode latency stays bounded.
+    # While sessions decode, an iteration's prefill rows may add about this many decode steps'
+    # time (sized from measured step times; engine/pacing.py), so decode latency stays bounded.
     prefill_share: float = 1.0
 
     def context(self) -> ContextConfig:
