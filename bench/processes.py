@@ -85,8 +85,12 @@ def _terminate(signum: int, _frame: FrameType | None) -> None:
 
 @contextlib.contextmanager
 def open_processes(log_dir: Path) -> Iterator[Processes]:
-    """Processes that are all stopped on leaving, whether by return, error, Ctrl-C or SIGTERM."""
-    previous = signal.signal(signal.SIGTERM, _terminate)
+    """Processes that are all stopped on leaving, whether by return, error, Ctrl-C or SIGTERM.
+
+    SIGINT is handled explicitly: a shell starts background jobs with it ignored, and
+    Python then installs no KeyboardInterrupt handler of its own.
+    """
+    previous = {sig: signal.signal(sig, _terminate) for sig in (signal.SIGINT, signal.SIGTERM)}
     procs = Processes(log_dir)
     try:
         yield procs
@@ -94,7 +98,8 @@ def open_processes(log_dir: Path) -> Iterator[Processes]:
         if procs.running:
             print(f"stopping {', '.join(procs.running)} ...", file=sys.stderr, flush=True)
         procs.stop_all()
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def free_ports(n: int) -> list[int]:

@@ -59,7 +59,11 @@ def test_quick_bench_reports_every_system_and_proves_sessions_never_mix(tmp_path
 
 
 def test_interrupted_bench_stops_every_process_it_started(tmp_path: Path) -> None:
-    proc = subprocess.Popen([*REPORT, "--out", str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    # Started as a shell starts a background job, with SIGINT ignored: Ctrl-C must still stop it.
+    ignoring_sigint = ["bash", "-c", 'trap "" INT; exec "$@"', "bash"]
+    proc = subprocess.Popen(
+        [*ignoring_sigint, *REPORT, "--out", str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
     assert proc.stdout is not None
     pids = []
     for line in proc.stdout:
