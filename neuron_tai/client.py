@@ -6,6 +6,8 @@
 
 Requests time out (`timeout_s`); steps and the read-only operations are retried on
 timeout, which is safe because a resent step rewinds to its `pos` (PROTOCOL.md).
+Once the client's socket task has stopped, every waiting or new request raises
+`ClientClosed` at once instead of waiting out its timeout.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import itertools
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +39,10 @@ class NodeError(Exception):
         self.retry_after_ms = retry_after_ms
 
 
+class ClientClosed(ConnectionError):
+    """The client's socket task has stopped: no reply can arrive any more."""
+
+
 @dataclass(frozen=True, slots=True)
 class StepReply:
     header: dict[str, Any]
@@ -53,6 +59,16 @@ class Client:
         self.pump = SocketPump(sock, self._on_message)
         self._rids = itertools.count(1)
         self._waiting: dict[int, trio.MemorySendChannel[tuple[dict[str, Any], list[bytes]]]] = {}
+        self._closed = False
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Own the socket; when this stops, for whatever reason, the waiting requests fail."""
+        try:
+            await self.pump.run(task_status=task_status)
+        finally:
+            self._closed = True
+            for send in self._waiting.values():
+                send.close()
 
     def _on_message(self, frames: list[bytes]) -> None:
         try:
@@ -69,6 +85,9 @@ class Client:
         """Send one request and wait for its reply; NodeError for an `error` reply."""
         attempts = 1 + (self.retries if retry else 0)
         for _attempt in range(attempts):
+            if self._closed:
+                await trio.lowlevel.checkpoint_if_cancelled()  # a cancelled caller sees Cancelled
+                raise ClientClosed(f"{header.get('op')!r}: the client is closed")
             rid = next(self._rids)
             send, recv = trio.open_memory_channel[tuple[dict[str, Any], list[bytes]]](1)
             self._waiting[rid] = send
@@ -76,7 +95,11 @@ class Client:
                 if not self.pump.send_nowait(encode({**header, "rid": rid}, *payload)):
                     raise NodeError("busy", "the client's outbox is full")
                 with trio.move_on_after(self.timeout_s):
-                    reply, frames = await recv.receive()
+                    try:
+                        reply, frames = await recv.receive()
+                    except trio.EndOfChannel:
+                        await trio.lowlevel.checkpoint_if_cancelled()
+                        raise ClientClosed(f"{header.get('op')!r}: the client closed while waiting") from None
                     if reply.get("op") == "error":
                         raise NodeError(str(reply.get("code")), str(reply.get("message")), reply.get("retry_after_ms"))
                     return reply, frames
@@ -159,7 +182,7 @@ class Client:
                     break
                 step = await self.step(session, len(ids) + len(out) - 1, tokens=[out[-1]])
         finally:
-            with trio.CancelScope(shield=True), trio.move_on_after(self.timeout_s):
+            with trio.CancelScope(shield=True), trio.move_on_after(self.timeout_s), suppress(ClientClosed):
                 await self.close(session)
 
 
@@ -172,7 +195,7 @@ async def open_client(address: str, *, timeout_s: float = 30.0, retries: int = 2
     client = Client(TrioSocket(sock), timeout_s, retries)
     try:
         async with trio.open_nursery() as nursery:
-            await nursery.start(client.pump.run)
+            await nursery.start(client.run)
             try:
                 yield client
             finally:
