@@ -16,7 +16,6 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import FrameType
 
 PR_SET_PDEATHSIG = 1
 
@@ -79,18 +78,9 @@ class Processes:
             self.stop(name)
 
 
-def _terminate(signum: int, _frame: FrameType | None) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 @contextlib.contextmanager
 def open_processes(log_dir: Path) -> Iterator[Processes]:
-    """Processes that are all stopped on leaving, whether by return, error, Ctrl-C or SIGTERM.
-
-    SIGINT is handled explicitly: a shell starts background jobs with it ignored, and
-    Python then installs no KeyboardInterrupt handler of its own.
-    """
-    previous = {sig: signal.signal(sig, _terminate) for sig in (signal.SIGINT, signal.SIGTERM)}
+    """Processes that are all stopped on leaving, whether by return, error or KeyboardInterrupt."""
     procs = Processes(log_dir)
     try:
         yield procs
@@ -98,8 +88,6 @@ def open_processes(log_dir: Path) -> Iterator[Processes]:
         if procs.running:
             print(f"stopping {', '.join(procs.running)} ...", file=sys.stderr, flush=True)
         procs.stop_all()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def free_ports(n: int) -> list[int]:

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from bench.admission import burst
 from bench.aggregate import saturation
 from bench.bare_waves import run_waves
 from bench.common import EVIDENCE, WORK, BareLoop, command_line, gemma_path
+from bench.interrupts import interrupt_on_signals, run_until_interrupted
 from bench.latency import Trace, summarize
 from bench.llama_server import cached_binary, ensure_llama_server
 from bench.node_driver import closed_loop
@@ -277,7 +279,7 @@ def main() -> int:
     server = llama_server(plan)
     with open_processes(WORK / "logs") as procs:
         nodes = start_all(procs, plan, model, shards, server)
-        payload = trio.run(run, plan, model, nodes)
+        payload = trio.run(run_until_interrupted, partial(run, plan, model, nodes))
     payload["processes"] = [{"name": n, "pid": pid, "exit_status": rc} for n, (pid, rc) in procs.ended.items()]
     report = {"command": command_line(), "started": started, "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
               "plan": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(plan).items()},
@@ -304,9 +306,10 @@ def interrupted() -> int:
 
 
 if __name__ == "__main__":
+    interrupt_on_signals()
     status = 1
     try:
         status = main()
-    except* KeyboardInterrupt:  # Ctrl-C or SIGTERM, raised in whichever task was running
+    except* KeyboardInterrupt:  # Ctrl-C or SIGTERM
         status = interrupted()
     sys.exit(status)
