@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from bench.systems import BARE, CHAIN, NODE, PYTHON
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,7 +60,8 @@ def test_quick_bench_reports_every_system_and_proves_sessions_never_mix(tmp_path
     assert "mismatches: 0" in (out / "README.md").read_text()
 
 
-def test_interrupted_bench_stops_every_process_it_started(tmp_path: Path) -> None:
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_interrupted_bench_stops_every_process_it_started(tmp_path: Path, signum: signal.Signals) -> None:
     # Started as a shell starts a background job, with SIGINT ignored: Ctrl-C must still stop it.
     ignoring_sigint = ["bash", "-c", 'trap "" INT; exec "$@"', "bash"]
     proc = subprocess.Popen(
@@ -66,13 +69,16 @@ def test_interrupted_bench_stops_every_process_it_started(tmp_path: Path) -> Non
     )
     assert proc.stdout is not None
     pids = []
-    for line in proc.stdout:
-        pids += [int(p) for p in re.findall(r": pid (\d+),", line)]
-        if "workload:" in line:  # every process is up and the sweep begins
-            break
-    proc.send_signal(signal.SIGINT)
-    rest = proc.stdout.read()
-    assert proc.wait(60) == 130, rest
+    try:
+        for line in proc.stdout:
+            pids += [int(p) for p in re.findall(r": pid (\d+),", line)]
+            if "workload:" in line:  # every process is up and the sweep begins
+                break
+        proc.send_signal(signum)
+        rest, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()  # a no-op once it has exited
+    assert proc.returncode == 130, rest
     assert len(pids) >= 7
     deadline = time.monotonic() + 10
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
