@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import suppress
 
 import numpy as np
 import numpy.typing as npt
@@ -12,7 +11,7 @@ import trio
 
 from bench.latency import Trace
 from bench.workload import Request
-from neuron_tai.client import Client, ClientClosed, NodeError, StepReply
+from neuron_tai.client import Client, NodeError, StepReply
 
 WAIT_MS = 120_000  # opens beyond the node's session limit wait for room rather than fail
 
@@ -67,8 +66,7 @@ async def generate(
             reply = await _step(client, session, pos, [feed], out, busy)
             pos += 1
     finally:
-        with trio.CancelScope(shield=True), trio.move_on_after(client.timeout_s), suppress(ClientClosed):
-            await client.close(session)
+        await client.close_on_exit(session)
     return trace
 
 

@@ -134,6 +134,15 @@ class Client:
     async def close(self, session: str) -> bool:
         return bool((await self.request({"op": "close", "session": session}))[0]["existed"])
 
+    async def close_on_exit(self, session: str) -> None:
+        """Close `session` on the way out of its user, even one being cancelled.
+
+        Shielded and bounded by `timeout_s`; nothing to do once the client itself is closed
+        (the node frees what it can no longer reach after its idle timeout).
+        """
+        with trio.CancelScope(shield=True), trio.move_on_after(self.timeout_s), suppress(ClientClosed):
+            await self.close(session)
+
     async def step(
         self,
         session: str,
@@ -182,8 +191,7 @@ class Client:
                     break
                 step = await self.step(session, len(ids) + len(out) - 1, tokens=[out[-1]])
         finally:
-            with trio.CancelScope(shield=True), trio.move_on_after(self.timeout_s), suppress(ClientClosed):
-                await self.close(session)
+            await self.close_on_exit(session)
 
 
 @asynccontextmanager

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -15,17 +14,12 @@ import pytest
 import trio
 import zmq
 
+from bench.processes import free_ports
 from engine.backend import DecodeFailed, DecodeOutcome
 from engine.engine import EngineConfig
 from neuron_tai.client import Client, NodeError, open_client
 from neuron_tai.node import Node, NodeConfig, open_node
 from tests.nodes import NodeProcess, running
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def engine_config(model: Path, **kw: Any) -> EngineConfig:
@@ -65,8 +59,7 @@ async def logits_run(client: Client, session: str, ids: list[int], steps: int) -
 def test_three_stage_chain_is_bit_identical_to_one_node(
     tiny_model: Path, tiny_shards3: list[Path], tmp_path: Path
 ) -> None:
-    ports = [free_port() for _ in range(4)]
-    addr = [f"tcp://127.0.0.1:{p}" for p in ports]
+    addr = [f"tcp://127.0.0.1:{p}" for p in free_ports(4)]
     single = NodeProcess(tiny_model, addr[0])
     tail = NodeProcess(tiny_shards3[2], addr[3])
     mid = NodeProcess(tiny_shards3[1], addr[2], ["--next", addr[3]])
@@ -91,7 +84,7 @@ def test_three_stage_chain_is_bit_identical_to_one_node(
 
 
 def test_killed_downstream_rolls_back_and_recovers_after_restart(tiny_shards2: list[Path]) -> None:
-    addr = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
+    addr = [f"tcp://127.0.0.1:{p}" for p in free_ports(2)]
     tail = NodeProcess(tiny_shards2[1], addr[1])
     head = NodeProcess(tiny_shards2[0], addr[0], ["--next", addr[1]])
     ids = prompt(5, 7)
@@ -212,7 +205,7 @@ async def test_every_error_code_is_answered(tiny_model: Path, tiny_shards2: list
         await expect("shutting_down", c.open("z", 10))
     # downstream: a chain whose next stage is not there.
     cfg = NodeConfig(engine_config(tiny_shards2[0]), bind="tcp://127.0.0.1:0",
-                     next=f"tcp://127.0.0.1:{free_port()}", downstream_timeout_s=0.5)  # fmt: skip
+                     next=f"tcp://127.0.0.1:{free_ports(1)[0]}", downstream_timeout_s=0.5)  # fmt: skip
     async with open_node(cfg) as head, open_client(head.address, timeout_s=5, retries=0) as c:
         await expect("downstream", c.open("s", 10))
         assert (await c.stats())["sessions_active"] == 0
@@ -334,14 +327,15 @@ def test_cli_serve_help_and_stats(tiny_model: Path, capsys: pytest.CaptureFixtur
     with pytest.raises(SystemExit):
         main(["serve", "--help"])
     assert "--batch-invariant" in capsys.readouterr().out
-    node = NodeProcess(tiny_model, f"tcp://127.0.0.1:{free_port()}", ["--metrics-port", str(free_port())])
+    node_port, metrics_port, nobody = free_ports(3)
+    node = NodeProcess(tiny_model, f"tcp://127.0.0.1:{node_port}", ["--metrics-port", str(metrics_port)])
     with running(node):
         assert main(["stats", "--addr", node.address]) == 0
         out = capsys.readouterr().out
         assert "sessions_active" in out and "kv_budget_bytes" in out
         assert main(["generate", "--addr", node.address, "--max-tokens", "4", "the cat"]) == 0
         assert node.stop() == 0
-    assert main(["stats", "--addr", f"tcp://127.0.0.1:{free_port()}", "--timeout", "0.2"]) == 2
+    assert main(["stats", "--addr", f"tcp://127.0.0.1:{nobody}", "--timeout", "0.2"]) == 2
     assert "no reply to 'stats'" in capsys.readouterr().err
 
 
@@ -366,8 +360,8 @@ async def test_oversized_message_drops_only_that_connection(tiny_model: Path) ->
 def test_prometheus_endpoint_has_the_telemetry_names(tiny_model: Path) -> None:
     import urllib.request  # noqa: PLC0415
 
-    port = free_port()
-    node = NodeProcess(tiny_model, f"tcp://127.0.0.1:{free_port()}", ["--metrics-port", str(port)])
+    node_port, port = free_ports(2)
+    node = NodeProcess(tiny_model, f"tcp://127.0.0.1:{node_port}", ["--metrics-port", str(port)])
     with running(node):
         text = ""
         for _ in range(50):
