@@ -69,7 +69,7 @@ class BareLoop:
 
     def __init__(self, model: Path, config: ContextConfig) -> None:
         ensure_backend()
-        self.model = LlamaModel(model)
+        self.model = LlamaModel(model, config.kernels)
         self.ctx = lc.llama_init_from_model(self.model.ptr, context_params(config))
         self.n_batch = config.n_batch
         self.batch = lc.llama_batch_init(config.n_batch, 0, 1)

@@ -23,6 +23,7 @@ import numpy.typing as npt
 from engine.batch_buffer import BatchBuffer
 from engine.gguf_facts import KEY_LAYER_START, KEY_SOURCE_BLOCKS, KEY_SOURCE_MODEL
 from engine.hidden_capture import HiddenCapture
+from engine.kernels import KERNEL_CHOICES
 from engine.llama_handles import LlamaContext, LlamaModel, SamplerChain, capture_llama_log
 from engine.sampling import GREEDY, SamplingParams
 
@@ -81,7 +82,7 @@ class DecodeFailed(Exception):
 
 @dataclass(frozen=True, slots=True)
 class ContextConfig:
-    """Explicit llama.cpp context parameters of a stage."""
+    """Explicit llama.cpp parameters of a stage: its context, and the kernel path of its weights."""
 
     n_seq_max: int = 8
     n_ctx: int = 4096  # KV cells, shared by all sequences (unified cache)
@@ -91,6 +92,7 @@ class ContextConfig:
     swa_full: bool = False
     kv_type: str = "f16"  # element type of the K and V caches: "f16" or "f32"
     flash_attn: bool | None = None  # None: llama.cpp decides (its CPU kernel rounds through f16)
+    kernels: str = "auto"  # weight kernel path: auto, repack, plain or amx (engine/kernels.py)
 
     def __post_init__(self) -> None:
         if self.kv_type not in KV_TYPES:
@@ -99,6 +101,8 @@ class ContextConfig:
             raise ValueError(f"need 1 <= n_ubatch ({self.n_ubatch}) <= n_batch ({self.n_batch})")
         if self.n_seq_max < 1 or self.n_ctx < 1 or self.n_threads < 1:
             raise ValueError("n_seq_max, n_ctx and n_threads must be >= 1")
+        if self.kernels not in KERNEL_CHOICES:
+            raise ValueError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, not {self.kernels!r}")
 
 
 def context_params(config: ContextConfig) -> lc.llama_context_params:
@@ -174,7 +178,7 @@ class StageBackend:
 
     def __init__(self, model_path: Path, config: ContextConfig) -> None:
         self.config = config
-        self.model = LlamaModel(model_path)
+        self.model = LlamaModel(model_path, config.kernels)
         m = self.model
         start = int(m.meta(KEY_LAYER_START) or 0)
         source_blocks = int(m.meta(KEY_SOURCE_BLOCKS) or m.n_layer)

@@ -76,6 +76,7 @@ class EngineConfig:
     n_threads: int = 2
     kv_type: str = "f16"
     flash_attn: bool | None = None
+    kernels: str = "auto"  # weight kernel path (engine/kernels.py): never AMX unless asked for
     swa_full: bool = False
     max_prefill_tokens: int = 256
     max_step_tokens: int = 512
@@ -105,6 +106,7 @@ class EngineConfig:
             swa_full=self.swa_full,
             kv_type=self.kv_type,
             flash_attn=self.flash_attn,
+            kernels=self.kernels,
         )
 
 
@@ -540,6 +542,8 @@ class Engine:
             "weights_bytes": b.weights_bytes,
             "kv_budget_bytes": b.kv_bytes,
             "scratch_bytes": b.scratch_bytes,
+            "kernel_path": self.backend.model.kernel_path.value,
+            "weight_buffers": dict(self.backend.model.weight_buffers),
             "step_seconds": t.step_seconds.snapshot(),
             "errors_total": dict(t.errors),
             "linger_seconds_total": round(t.linger_seconds_total, 4),
@@ -560,6 +564,9 @@ async def open_engine(config: EngineConfig) -> AsyncIterator[Engine]:
     compute = ComputeThread()
     try:
         backend = await compute.run(StageBackend, config.model, config.context())
+        model = backend.model
+        buffers = ", ".join(f"{name} {size / 2**20:.1f} MiB" for name, size in model.weight_buffers.items())
+        log.info("weights on the %s kernel path (asked: %s; %s)", model.kernel_path.value, config.kernels, buffers)
         try:
             engine = Engine(config, backend, budgets, cells, compute)
             problems = engine.budgets.violations(config.limits)

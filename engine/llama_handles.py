@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import re
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -15,6 +16,19 @@ from pathlib import Path
 from typing import cast
 
 import llama_cpp as lc
+
+from engine.gguf_header import read_header
+from engine.kernels import (
+    AMX_BUFFER,
+    REPACK_BUFFER,
+    KernelPath,
+    Placement,
+    WeightTensor,
+    choose_path,
+    cpu_features,
+    path_of_buffers,
+    placement,
+)
 
 log = logging.getLogger("llama.cpp")
 
@@ -75,17 +89,100 @@ def capture_llama_log() -> Iterator[list[str]]:
         _log_sinks.remove(lines)
 
 
-class LlamaModel:
-    """A loaded (shard) model, memory-mapped."""
+class _BuftOverride(ctypes.Structure):
+    """llama.h `llama_model_tensor_buft_override` (the binding's own struct has an int where a pointer goes)."""
 
-    def __init__(self, path: Path) -> None:
+    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
+
+
+_LLAMA_LOAD_MODE_MMAP = 1
+_GGML_BACKEND_DEVICE_TYPE_CPU = 0
+_libggml = ctypes.CDLL(str(Path(lc.__file__).parent / "lib" / "libggml.so"))
+_libggml.ggml_backend_dev_by_type.argtypes = [ctypes.c_int]
+_libggml.ggml_backend_dev_by_type.restype = ctypes.c_void_p
+_libggml.ggml_backend_dev_backend_reg.argtypes = [ctypes.c_void_p]
+_libggml.ggml_backend_dev_backend_reg.restype = ctypes.c_void_p
+_libggml.ggml_backend_reg_get_proc_address.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+_libggml.ggml_backend_reg_get_proc_address.restype = ctypes.c_void_p
+_libggml.ggml_backend_buft_name.argtypes = [ctypes.c_void_p]
+_libggml.ggml_backend_buft_name.restype = ctypes.c_char_p
+_GetExtraBufts = ctypes.CFUNCTYPE(ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)
+
+
+def extra_buffer_types() -> dict[str, int]:
+    """The CPU device's extra weight buffer types in llama.cpp's order of preference: name -> handle.
+
+    Which ones exist is fixed when the library is built (AMX only in a build made for an
+    AMX machine); this is what `llama_model_params.use_extra_bufts` would place weights in.
+    """
+    ensure_backend()
+    dev = _libggml.ggml_backend_dev_by_type(_GGML_BACKEND_DEVICE_TYPE_CPU)
+    if not dev:
+        return {}
+    reg = _libggml.ggml_backend_dev_backend_reg(dev)
+    fn = _libggml.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_dev_get_extra_bufts")
+    if not fn:
+        return {}
+    array = _GetExtraBufts(fn)(dev)
+    out: dict[str, int] = {}
+    i = 0
+    while array and array[i]:
+        handle = int(array[i])
+        out[_libggml.ggml_backend_buft_name(handle).decode()] = handle
+        i += 1
+    return out
+
+
+def _weight_buffers(lines: list[str]) -> dict[str, int]:
+    """Bytes of weights per buffer type, from llama.cpp's load log (`<type> model buffer size = <x> MiB`)."""
+    out: dict[str, int] = {}
+    for line in lines:
+        match = re.search(r"(\S+) model buffer size\s*=\s*([0-9.]+) MiB", line)
+        if match:
+            out[match.group(1)] = out.get(match.group(1), 0) + int(float(match.group(2)) * 2**20)
+    return out
+
+
+def weight_placement(path: Path, kernels: str = "auto") -> Placement:
+    """How to load `path` for the requested kernel path ("auto", "repack", "plain", "amx") on this machine."""
+    offered = extra_buffer_types()
+    chosen = choose_path(kernels, offered)
+    tensors: list[WeightTensor] = []
+    if AMX_BUFFER in offered and chosen is KernelPath.REPACK:  # only then are tensors routed one by one
+        tensors = [WeightTensor(t.name, t.ggml_type, t.dims) for t in read_header(path).tensors]
+    return placement(chosen, offered, tensors, cpu_features())
+
+
+class LlamaModel:
+    """A loaded (shard) model, memory-mapped, its weights on the kernel path `kernels` asks for.
+
+    `weight_buffers` (bytes per llama.cpp buffer type) and `kernel_path` say where the
+    weights actually went, read back from llama.cpp's load log.
+    """
+
+    def __init__(self, path: Path, kernels: str = "auto") -> None:
         ensure_backend()
+        self.placement = weight_placement(path, kernels)
         params = lc.llama_model_default_params()
-        params.use_mmap = True
-        ptr = lc.llama_model_load_from_file(str(path).encode(), params)
+        params.load_mode = _LLAMA_LOAD_MODE_MMAP
+        params.use_extra_bufts = self.placement.use_extra_bufts
+        overrides = None
+        if self.placement.repack_patterns:
+            repack = extra_buffer_types()[REPACK_BUFFER]
+            rows = [_BuftOverride(p.encode(), repack) for p in self.placement.repack_patterns]
+            overrides = (_BuftOverride * (len(rows) + 1))(*rows)  # ends with a zeroed row
+            params.tensor_buft_overrides = ctypes.cast(overrides, ctypes.c_void_p)
+        with capture_llama_log() as lines:
+            ptr = lc.llama_model_load_from_file(str(path).encode(), params)
         if not ptr:
             raise ValueError(f"{path}: llama.cpp could not load this model")
         self._ptr: lc.llama_model_p | None = ptr
+        self._overrides = overrides  # llama.cpp may read the override table for the model's lifetime
+        self.weight_buffers = _weight_buffers(lines)
+        self.kernel_path = path_of_buffers(self.weight_buffers)
+        if self.kernel_path is KernelPath.AMX and self.placement.path is not KernelPath.AMX:
+            self.close()
+            raise RuntimeError(f"{path}: llama.cpp put weights in the AMX buffer although {kernels!r} was asked for")
         self.vocab = lc.llama_model_get_vocab(ptr)
         self.n_embd = int(lc.llama_model_n_embd(ptr))
         self.n_layer = int(lc.llama_model_n_layer(ptr))

@@ -93,6 +93,7 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
         n_threads=args.threads,
         kv_type=args.kv_type,
         flash_attn={"auto": None, "on": True, "off": False}[args.flash_attn],
+        kernels=args.kernels,
         max_prefill_tokens=args.max_prefill,
         max_step_tokens=args.max_step_tokens,
         queue_budget_bytes=args.queue_budget,
@@ -215,6 +216,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--n-ubatch", type=int, default=512, help="rows llama.cpp computes at once")
     serve.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama.cpp threads")
     serve.add_argument("--flash-attn", choices=["auto", "on", "off"], default="auto", help="flash attention")
+    serve.add_argument(
+        "--kernels",
+        choices=["auto", "repack", "plain", "amx"],
+        default="auto",
+        help="weight kernel path: auto = repacked CPU kernels where llama.cpp offers them, else plain; "
+        "never AMX unless asked (its kernels crash on quantized models on some hosts)",
+    )
     serve.add_argument("--max-prefill", type=int, default=256, help="most prefill tokens per iteration")
     serve.add_argument("--max-step-tokens", type=int, default=512, help="most tokens one step may carry")
     serve.add_argument("--queue-budget", type=_bytes, default=64 * 2**20, help="bytes of queued step payloads")
