@@ -25,14 +25,14 @@ from engine.llama_handles import ensure_backend
 _SPECIALS = ("<unk>", "<s>", "</s>")
 _PIECES = ("\u2581", "\u2581the", "\u2581a", "e", "t", "\u2581and", "in", "er", "on")
 
-# `TinySpec.quant` -> llama.cpp file type. K-quant rows need multiples of 256 elements
-# (n_embd, n_ff); legacy types of 32. Otherwise llama.cpp's quantizer falls back to
-# other types for the tensors that do not fit.
+# `TinySpec.quant` -> llama.cpp file type, and the block size its matrix rows must fill
+# (n_embd and n_ff elements): llama.cpp's quantizer would fall back to other
+# types for tensors whose rows do not fit.
 FILE_TYPES = {
-    "f32": lc.LLAMA_FTYPE_ALL_F32,
-    "q8_0": lc.LLAMA_FTYPE_MOSTLY_Q8_0,
-    "q4_0": lc.LLAMA_FTYPE_MOSTLY_Q4_0,
-    "q4_k_m": lc.LLAMA_FTYPE_MOSTLY_Q4_K_M,
+    "f32": (lc.LLAMA_FTYPE_ALL_F32, 1),
+    "q8_0": (lc.LLAMA_FTYPE_MOSTLY_Q8_0, 32),
+    "q4_0": (lc.LLAMA_FTYPE_MOSTLY_Q4_0, 32),
+    "q4_k_m": (lc.LLAMA_FTYPE_MOSTLY_Q4_K_M, 256),
 }
 
 
@@ -70,12 +70,15 @@ def write_tiny_model(path: Path, spec: TinySpec = TinySpec()) -> Path:
         raise ValueError(f"tiny models exist for llama and gemma3, not {spec.arch!r}")
     if spec.quant not in FILE_TYPES:
         raise ValueError(f"quant must be one of {sorted(FILE_TYPES)}, not {spec.quant!r}")
+    file_type, block = FILE_TYPES[spec.quant]
+    if spec.n_embd % block or spec.n_ff % block:
+        raise ValueError(f"{spec.quant} needs n_embd and n_ff in multiples of {block}")
     if spec.quant == "f32":
         return _write_f32(path, spec)
     source = path.with_name(path.name + ".f32.tmp")
     try:
         _write_f32(source, spec)
-        _quantize(source, path, FILE_TYPES[spec.quant])
+        _quantize(source, path, file_type)
     finally:
         source.unlink(missing_ok=True)
     return path

@@ -24,6 +24,7 @@ from engine.llama_handles import LlamaModel, capture_llama_log
 from engine.local_chain import LocalChain
 from engine.sampling import SamplingParams
 from neuron_tai.shard import write_stages
+from neuron_tai.testmodel import TinySpec, write_tiny_model
 from tests.conftest import CONFIG, OpenBackend
 
 
@@ -77,9 +78,7 @@ def test_outputs_do_not_depend_on_partners_contents(
         assert np.abs(traces[0][name][0] - traces[1][name][0]).max() > 0.1, name
 
 
-def teacher_forced(
-    chain: LocalChain, prompt: list[int], name: str, follow: list[np.ndarray]
-) -> list[np.ndarray]:
+def teacher_forced(chain: LocalChain, prompt: list[int], name: str, follow: list[np.ndarray]) -> list[np.ndarray]:
     """One session's logits when fed the prompt, then the argmax tokens of `follow` (another run's trace)."""
     chain.open(name)
     trace = [chain.step({name: prompt})[name]]
@@ -331,3 +330,11 @@ def test_tokenize_round_trip(tiny_model: Path, open_backend: OpenBackend) -> Non
     assert backend.detokenize(tokens[1:]).strip() == "the cat and the hat"
     with pytest.raises(Refused):
         backend.detokenize([9999])
+
+
+def test_quantized_tiny_models_must_fit_the_blocks(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="multiples of 256"):
+        write_tiny_model(tmp_path / "k.gguf", TinySpec(quant="q4_k_m"))  # n_embd 64
+    with pytest.raises(ValueError, match="quant must be one of"):
+        write_tiny_model(tmp_path / "x.gguf", TinySpec(quant="q3_k_s"))
+    assert not list(tmp_path.iterdir())
