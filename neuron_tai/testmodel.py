@@ -2,21 +2,38 @@
 
 They load in stock llama.cpp like any real model, so everything above them (shards,
 the backend, the engine, the node) runs the real code path without a download.
-F32 weights keep batched-vs-solo differences at rounding size.
+F32 weights keep batched-vs-solo differences at rounding size. Quantized ones
+(`TinySpec.quant`) are made by llama.cpp's own quantizer with the same type mix as a
+real file of that type, so they reach the quantized matmul and weight-repacking kernels
+that real models use (the `gguf` package cannot write K-quants).
 """
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
+import llama_cpp as lc
 import numpy as np
 import numpy.typing as npt
+
+from engine.llama_handles import ensure_backend
 
 # SentencePiece-style vocabulary: specials, 256 byte-fallback tokens, and a few pieces.
 _SPECIALS = ("<unk>", "<s>", "</s>")
 _PIECES = ("\u2581", "\u2581the", "\u2581a", "e", "t", "\u2581and", "in", "er", "on")
+
+# `TinySpec.quant` -> llama.cpp file type, and the block size its matrix rows must fill
+# (n_embd and n_ff elements): llama.cpp's quantizer would fall back to other
+# types for tensors whose rows do not fit.
+FILE_TYPES = {
+    "f32": (lc.LLAMA_FTYPE_ALL_F32, 1),
+    "q8_0": (lc.LLAMA_FTYPE_MOSTLY_Q8_0, 32),
+    "q4_0": (lc.LLAMA_FTYPE_MOSTLY_Q4_0, 32),
+    "q4_k_m": (lc.LLAMA_FTYPE_MOSTLY_Q4_K_M, 256),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +49,7 @@ class TinySpec:
     n_ctx_train: int = 2048
     sliding_window: int = 0  # gemma3 only: window of its sliding-window layers
     seed: int = 1234
+    quant: str = "f32"  # a key of FILE_TYPES: "q4_k_m" is mostly Q4_K, some Q6_K, F32 norms
 
 
 def vocabulary() -> tuple[list[str], list[float], list[int]]:
@@ -47,9 +65,36 @@ def vocabulary() -> tuple[list[str], list[float], list[int]]:
 
 
 def write_tiny_model(path: Path, spec: TinySpec = TinySpec()) -> Path:
-    """Write a random F32 model of architecture `spec.arch` ("llama" or "gemma3")."""
+    """Write a random model of architecture `spec.arch` ("llama" or "gemma3"), typed `spec.quant`."""
     if spec.arch not in ("llama", "gemma3"):
         raise ValueError(f"tiny models exist for llama and gemma3, not {spec.arch!r}")
+    if spec.quant not in FILE_TYPES:
+        raise ValueError(f"quant must be one of {sorted(FILE_TYPES)}, not {spec.quant!r}")
+    file_type, block = FILE_TYPES[spec.quant]
+    if spec.n_embd % block or spec.n_ff % block:
+        raise ValueError(f"{spec.quant} needs n_embd and n_ff in multiples of {block}")
+    if spec.quant == "f32":
+        return _write_f32(path, spec)
+    source = path.with_name(path.name + ".f32.tmp")
+    try:
+        _write_f32(source, spec)
+        _quantize(source, path, file_type)
+    finally:
+        source.unlink(missing_ok=True)
+    return path
+
+
+def _quantize(source: Path, path: Path, file_type: int) -> None:
+    """llama.cpp's quantizer, as `llama-quantize` runs it (no importance matrix)."""
+    ensure_backend()
+    params = lc.llama_model_quantize_default_params()
+    params.ftype = file_type
+    params.nthread = 1  # a tiny model; results do not depend on the thread count anyway
+    if lc.llama_model_quantize(str(source).encode(), str(path).encode(), ctypes.byref(params)) != 0:
+        raise RuntimeError(f"llama.cpp could not quantize {source} to file type {file_type}")
+
+
+def _write_f32(path: Path, spec: TinySpec) -> Path:
     rng = np.random.default_rng(spec.seed)
     tokens, scores, types = vocabulary()
     n_vocab = len(tokens)

@@ -12,6 +12,10 @@ from neuron_tai.shard import stage_bounds, write_stages
 from neuron_tai.testmodel import TinySpec, write_tiny_model
 
 TINY_GEMMA = TinySpec(arch="gemma3", n_layer=6, sliding_window=4, seed=99)
+# Q4_K_M as llama.cpp's quantizer mixes it (Q4_K matrices, Q6_K output and some attn_v and
+# ffn_down, F32 norms). Rows of 256 and 512 elements fit K-quant blocks, and every matrix
+# has a multiple of 8 rows (128, 256, 512), so CPU_REPACK takes the Q4_K ones on AVX2.
+TINY_QUANT = TinySpec(n_embd=256, n_ff=512, quant="q4_k_m", seed=4321)
 
 
 @pytest.fixture(scope="session")
@@ -32,6 +36,21 @@ def tiny_shards2(tiny_model: Path, model_dir: Path) -> list[Path]:
 @pytest.fixture(scope="session")
 def tiny_shards3(tiny_model: Path, model_dir: Path) -> list[Path]:
     return write_stages(tiny_model, model_dir / "s3", stage_bounds(4, split=[1, 3]))
+
+
+@pytest.fixture(scope="session")
+def tiny_quant(model_dir: Path) -> Path:
+    return write_tiny_model(model_dir / "tiny-llama-q4_k_m.gguf", TINY_QUANT)
+
+
+@pytest.fixture(scope="session")
+def tiny_quant_shards2(tiny_quant: Path, model_dir: Path) -> list[Path]:
+    return write_stages(tiny_quant, model_dir / "q2", stage_bounds(4, stages=2))
+
+
+@pytest.fixture(scope="session")
+def tiny_quant_shards3(tiny_quant: Path, model_dir: Path) -> list[Path]:
+    return write_stages(tiny_quant, model_dir / "q3", stage_bounds(4, split=[1, 3]))
 
 
 @pytest.fixture(scope="session")

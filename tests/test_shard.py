@@ -30,7 +30,11 @@ def field(path: Path, key: str) -> object:
     return None if f is None else f.contents()
 
 
-def test_shard_keeps_range_renumbered_with_source_metadata(tiny_model: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("model", ["tiny_model", "tiny_quant"])
+def test_shard_keeps_range_renumbered_with_source_metadata(
+    model: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    tiny_model: Path = request.getfixturevalue(model)
     out = write_shard(tiny_model, 1, 3, tmp_path / "mid.gguf")
     reader = open_reader(out)
     names = {t.name for t in reader.tensors}
@@ -40,6 +44,8 @@ def test_shard_keeps_range_renumbered_with_source_metadata(tiny_model: Path, tmp
     dst = {t.name: t for t in reader.tensors}
     assert np.array_equal(dst["blk.0.attn_q.weight"].data, src["blk.1.attn_q.weight"].data)
     assert np.array_equal(dst["blk.1.ffn_down.weight"].data, src["blk.2.ffn_down.weight"].data)
+    assert all(dst[n].tensor_type == src[n].tensor_type for n in ("token_embd.weight", "output.weight"))
+    assert dst["blk.1.attn_v.weight"].tensor_type == src["blk.2.attn_v.weight"].tensor_type
     assert field(out, "llama.block_count") == 2
     assert (field(out, KEY_LAYER_START), field(out, KEY_LAYER_END), field(out, KEY_SOURCE_BLOCKS)) == (1, 3, 4)
     assert field(out, "tokenizer.ggml.tokens") == field(tiny_model, "tokenizer.ggml.tokens")
