@@ -22,16 +22,7 @@ from typing import Any, cast
 import numpy as np
 import trio
 
-from engine.backend import (
-    KV_TYPES,
-    ContextConfig,
-    DecodeFailed,
-    Output,
-    Refused,
-    Segment,
-    SegmentResult,
-    StageBackend,
-)
+from engine.backend import KV_TYPES, ContextConfig, DecodeFailed, Segment, SegmentResult, StageBackend
 from engine.budgets import BudgetError, Budgets, KvShape, Limits, kv_layout
 from engine.compute_thread import ComputeThread
 from engine.gguf_facts import ModelFacts, read_facts
@@ -42,6 +33,8 @@ from engine.messages import (
     Failure,
     Opened,
     OpenRequest,
+    Output,
+    Refused,
     ReplyTo,
     Request,
     Result,
@@ -54,7 +47,6 @@ from engine.scheduler import (
     INVARIANT_MAX_ROWS,
     Call,
     Plan,
-    Reason,
     Rejection,
     Scheduler,
     SchedulerConfig,
@@ -62,6 +54,7 @@ from engine.scheduler import (
     Waiter,
 )
 from engine.telemetry import Telemetry
+from protocol.errors import ErrorCode
 
 log = logging.getLogger("neuron_tai.engine")
 
@@ -182,13 +175,13 @@ class Engine:
     def submit(self, request: Request, reply: ReplyTo) -> Failure | None:
         """Queue a request without blocking; a Failure is the immediate answer when it cannot be queued."""
         if self.draining and not isinstance(request, CloseRequest | DropOwner):
-            return self._count(Failure("shutting_down", "the node is draining"))
+            return self._count(Failure(ErrorCode.SHUTTING_DOWN, "the node is draining"))
         try:
             self._inbox_send.send_nowait((request, reply))
         except trio.WouldBlock:
-            return self._count(Failure("busy", "the engine's inbox is full", self.scheduler.busy_retry_ms()))
+            return self._count(Failure(ErrorCode.BUSY, "the engine's inbox is full", self.scheduler.busy_retry_ms()))
         except (trio.ClosedResourceError, trio.BrokenResourceError):
-            return self._count(Failure("shutting_down", "the node has stopped"))
+            return self._count(Failure(ErrorCode.SHUTTING_DOWN, "the node has stopped"))
         return None
 
     async def request(self, request: Request) -> Result:
@@ -256,7 +249,7 @@ class Engine:
             if not refuse:
                 self._handle(request, reply)
             elif not isinstance(request, DropOwner):
-                reply(self._count(Failure("shutting_down", "the node stopped")))
+                reply(self._count(Failure(ErrorCode.SHUTTING_DOWN, "the node stopped")))
 
     async def _wait_for_work(self) -> None:
         deadlines = [d for d in (self.scheduler.next_deadline_ms(), self._idle_deadline_ms()) if d is not None]
@@ -322,7 +315,7 @@ class Engine:
 
     def _open(self, request: OpenRequest, reply: ReplyTo) -> None:
         if request.max_tokens < 1:
-            reply(self._count(Failure("bad_request", "max_tokens must be >= 1")))
+            reply(self._count(Failure(ErrorCode.BAD_REQUEST, "max_tokens must be >= 1")))
             return
         key = (request.owner, request.session)
         outcome = self.scheduler.request_open(key, request.max_tokens, request.wait_ms, _now_ms(), (request, reply))
@@ -339,9 +332,9 @@ class Engine:
             self._close(session.key, "the requester is gone")
 
     def _reject(self, why: Rejection, reply: ReplyTo) -> None:
-        if why.reason in (Reason.KV_BUDGET, Reason.SESSION_LIMIT, Reason.BUSY, Reason.SHUTTING_DOWN):
-            self.telemetry.rejected[why.reason.value] += 1
-        reply(self._count(Failure(why.reason.value, why.message, why.retry_after_ms)))
+        if why.code in (ErrorCode.KV_BUDGET, ErrorCode.SESSION_LIMIT, ErrorCode.BUSY, ErrorCode.SHUTTING_DOWN):
+            self.telemetry.rejected[why.code] += 1
+        reply(self._count(Failure(why.code, why.message, why.retry_after_ms)))
 
     def _reject_waiter(self, waiter: Waiter, why: Rejection) -> None:
         _request, reply = cast(tuple[OpenRequest, ReplyTo], waiter.payload)
@@ -351,19 +344,21 @@ class Engine:
         key = (request.owner, request.session)
         session = self.scheduler.sessions.get(key)
         if session is None:
-            reply(self._count(Failure("unknown_session", "no such open session on this connection")))
+            reply(self._count(Failure(ErrorCode.UNKNOWN_SESSION, "no such open session on this connection")))
             return
         try:
             self.backend.check_payload(request.tokens, request.hidden, request.out)
         except Refused as exc:
-            reply(self._count(Failure(exc.reason.value, str(exc))))
+            reply(self._count(Failure(exc.code, str(exc))))
             return
         if request.n < 1:
-            reply(self._count(Failure("bad_request", "a step needs n >= 1")))
+            reply(self._count(Failure(ErrorCode.BAD_REQUEST, "a step needs n >= 1")))
             return
         rewind = request.pos < session.length and session.step is None
         if rewind and not self.backend.can_rewind(session.seq, request.pos):
-            reply(self._count(Failure("position", f"cannot rewind to {request.pos}: outside the sliding window")))
+            reply(
+                self._count(Failure(ErrorCode.POSITION, f"cannot rewind to {request.pos}: outside the sliding window"))
+            )
             return
         self._coming_back.discard(key)
         work = _Work(request, reply)
@@ -399,7 +394,7 @@ class Engine:
                 self.scheduler.release_held()
         if session.step is not None:
             work: _Work = session.step.payload  # type: ignore[assignment]
-            work.reply(self._count(Failure("unknown_session", f"{why} before this step ran")))
+            work.reply(self._count(Failure(ErrorCode.UNKNOWN_SESSION, f"{why} before this step ran")))
         return True
 
     # -- running a call ----------------------------------------------------------------
@@ -488,19 +483,21 @@ class Engine:
             work: _Work = step.payload  # type: ignore[assignment]
             if self.backend.can_rewind(session.seq, step.pos):
                 self.backend.rewind(session.seq, step.pos)
-                work.reply(self._count(Failure("internal", f"the backend failed; session rolled back: {message}")))
+                work.reply(
+                    self._count(Failure(ErrorCode.INTERNAL, f"the backend failed; session rolled back: {message}"))
+                )
             else:
                 self._close(step.key, "the backend failed")
-                work.reply(self._count(Failure("internal", f"the backend failed; session closed: {message}")))
+                work.reply(self._count(Failure(ErrorCode.INTERNAL, f"the backend failed; session closed: {message}")))
 
     def _fail_everything_pending(self) -> None:
         for session in self.scheduler.sessions.values():
             if session.step is not None:
                 work: _Work = session.step.payload  # type: ignore[assignment]
                 session.step = None
-                work.reply(self._count(Failure("shutting_down", "the node stopped before this step ran")))
+                work.reply(self._count(Failure(ErrorCode.SHUTTING_DOWN, "the node stopped before this step ran")))
         for waiter in list(self.scheduler.waiting):
-            self._reject_waiter(waiter, Rejection(Reason.SHUTTING_DOWN, "the node stopped"))
+            self._reject_waiter(waiter, Rejection(ErrorCode.SHUTTING_DOWN, "the node stopped"))
         self._inbox_send.close()
         self._drain_inbox(refuse=True)
 

@@ -1,17 +1,41 @@
-"""What the engine is asked and what it answers: plain frozen data, no transport, no Trio."""
+"""What the engine is asked and what it answers: plain frozen data, no transport, no Trio.
+
+A leaf: it imports neither llama.cpp nor the backend, so the node, the scheduler's
+tests and any client of the engine can use these types without loading a model
+library. The backend takes `Output` and `Refused` from here.
+"""
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
-from engine.backend import Output
 from engine.sampling import GREEDY, SamplingParams
+from protocol.errors import ErrorCode
 
 Owner = Hashable  # the connection a session belongs to
+
+
+class Output(enum.Enum):
+    """What a step (or one segment of a batch) wants back."""
+
+    NONE = "none"  # a prefill chunk that is not the last of its step
+    HIDDEN = "hidden"  # every row's hidden state (non-last stages)
+    LOGITS = "logits"  # the last row's logits (last stage)
+    TOKEN = "token"  # a token sampled from the last row (last stage)
+    PAD = "pad"  # padding rows: computed as outputs (fixed batch shape), nothing returned
+
+
+class Refused(Exception):
+    """A request refused before llama.cpp saw it; nothing changed. `code` says why."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +117,7 @@ class Closed:
 
 @dataclass(frozen=True, slots=True)
 class Failure:
-    code: str  # a PROTOCOL.md error code
+    code: ErrorCode
     message: str
     retry_after_ms: int | None = None
 

@@ -25,7 +25,6 @@ import numpy as np
 import trio
 import zmq
 
-from engine.backend import Output, Refused
 from engine.engine import Engine, EngineConfig, open_engine
 from engine.messages import (
     Closed,
@@ -34,6 +33,8 @@ from engine.messages import (
     Failure,
     Opened,
     OpenRequest,
+    Output,
+    Refused,
     Result,
     Rollback,
     StepDone,
@@ -41,6 +42,7 @@ from engine.messages import (
 )
 from engine.sampling import SamplingParams
 from neuron_tai.downstream import Downstream
+from protocol.errors import ErrorCode
 from transport import wire
 from transport.pump import SocketPump
 from transport.trio_zmq import TrioSocket
@@ -98,7 +100,7 @@ class Node:
     def _send(self, peer: bytes, frames: list[bytes]) -> bool:
         return self.pump.send_nowait([peer, *frames])
 
-    def _error(self, peer: bytes, rid: int | None, code: str, message: str, retry: int | None = None) -> bool:
+    def _error(self, peer: bytes, rid: int | None, code: ErrorCode, message: str, retry: int | None = None) -> bool:
         if code not in ("busy",):
             log.debug("error %s to %s: %s", code, peer.hex(), message)
         return self._send(peer, wire.encode_error(rid, code, message, retry))
@@ -142,7 +144,7 @@ class Node:
             self._dispatch(peer, request)
         except Exception as exc:  # a bug must cost one request, never the node
             log.exception("request %r failed", type(request).__name__)
-            self._error(peer, request.rid, "internal", f"{type(exc).__name__}: {exc}")
+            self._error(peer, request.rid, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
 
     def _dispatch(self, peer: bytes, request: wire.Request) -> None:
         rid = request.rid
@@ -157,7 +159,7 @@ class Node:
             try:
                 text = self.engine.detokenize(request.tokens.tolist())
             except Refused as exc:
-                self._error(peer, rid, "bad_request", str(exc))
+                self._error(peer, rid, ErrorCode.BAD_REQUEST, str(exc))
                 return
             self._send(peer, wire.encode({"op": "text", "rid": rid, "text": text}))
         elif isinstance(request, wire.Open):
@@ -201,9 +203,11 @@ class Node:
             if reply is None or reply.get("op") != "opened":
                 self.engine.submit(CloseRequest(peer, req.session), lambda _r: True)
                 if reply is None:
-                    self._error(peer, req.rid, "downstream", "the next stage did not answer; nothing was opened")
+                    self._error(
+                        peer, req.rid, ErrorCode.DOWNSTREAM, "the next stage did not answer; nothing was opened"
+                    )
                 else:
-                    self._error(peer, req.rid, reply.get("code", "downstream"), str(reply.get("message", "")),
+                    self._error(peer, req.rid, ErrorCode.parse(reply.get("code")), str(reply.get("message", "")),
                                 reply.get("retry_after_ms"))  # fmt: skip
                 return
             theirs = reply.get("stage", {})
@@ -219,19 +223,19 @@ class Node:
     def _step(self, peer: bytes, req: wire.Step) -> None:
         info = self.info
         if req.input == "tokens" and not info.first:
-            self._error(peer, req.rid, "wrong_stage", f"this stage (layers {info.layers}) takes hidden input")
+            self._error(peer, req.rid, ErrorCode.WRONG_STAGE, f"this stage (layers {info.layers}) takes hidden input")
             return
         if req.input == "hidden" and info.first:
-            self._error(peer, req.rid, "wrong_stage", "this is a first stage: it takes token input")
+            self._error(peer, req.rid, ErrorCode.WRONG_STAGE, "this is a first stage: it takes token input")
             return
         chain_end_here = self.downstream is None
         if chain_end_here and (req.out == "hidden") == info.last:
             want = "'token' or 'logits'" if info.last else "'hidden'"
-            self._error(peer, req.rid, "wrong_stage", f"this stage (layers {info.layers}) gives out={want}")
+            self._error(peer, req.rid, ErrorCode.WRONG_STAGE, f"this stage (layers {info.layers}) gives out={want}")
             return
         if (peer, req.session) in self.forwarding:
             retry = self.engine.scheduler.busy_retry_ms()
-            self._error(peer, req.rid, "busy", "the session's previous step is still in the next stage", retry)
+            self._error(peer, req.rid, ErrorCode.BUSY, "the session's previous step is still in the next stage", retry)
             return
         local_out = _OUT[req.out] if chain_end_here else Output.HIDDEN
         request = StepRequest(peer, req.session, req.pos, local_out, tokens=req.tokens, hidden=req.hidden)
@@ -278,12 +282,12 @@ class Node:
             # The next stage did not take the step: undo it here so the session is as before.
             self.engine.submit(Rollback(peer, req.session, req.pos), lambda _r: True)
             if reply is None:
-                self._error(peer, req.rid, "downstream", "the next stage failed or did not answer; rolled back")
+                self._error(peer, req.rid, ErrorCode.DOWNSTREAM, "the next stage failed or did not answer; rolled back")
             elif reply.get("code") == "unknown_session":
-                self._error(peer, req.rid, "downstream",
+                self._error(peer, req.rid, ErrorCode.DOWNSTREAM,
                             "the next stage lost this session (restarted?); resend from pos 0")  # fmt: skip
             else:
-                self._error(peer, req.rid, str(reply.get("code", "downstream")), str(reply.get("message", "")),
+                self._error(peer, req.rid, ErrorCode.parse(reply.get("code")), str(reply.get("message", "")),
                             reply.get("retry_after_ms"))  # fmt: skip
 
         self.downstream.forward(header, payload, on_reply)
@@ -302,7 +306,7 @@ class Node:
                 return
             self.forwarding.discard((peer, req.session))
             self.engine.submit(Rollback(peer, req.session, req.pos), lambda _r: True)
-            self._error(peer, req.rid, "downstream", "the next stage could not reopen the session; rolled back")
+            self._error(peer, req.rid, ErrorCode.DOWNSTREAM, "the next stage could not reopen the session; rolled back")
 
         self.downstream.forward(header, [], on_open)
 

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import trio
 
-from engine.backend import ContextConfig, Output, StageBackend
+from engine.backend import ContextConfig, StageBackend
 from engine.budgets import BudgetError, Limits
 from engine.engine import Engine, EngineConfig, open_engine
-from engine.messages import CloseRequest, DropOwner, Failure, Opened, OpenRequest, Result, StepDone, StepRequest
+from engine.messages import CloseRequest, DropOwner, Failure, Opened, OpenRequest, Output, Result, StepDone, StepRequest
 from engine.sampling import SamplingParams
 
 
