@@ -8,7 +8,7 @@ library. The backend takes `Output` and `Refused` from here.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import numpy as np
@@ -124,5 +124,20 @@ class Failure:
 
 Result = Opened | StepDone | Closed | Failure
 
-# Delivers a result to whoever asked; False when they are gone (their session is then freed).
-ReplyTo = Callable[[Result], bool]
+# Requests that only free what exists: the engine takes them even when its inbox is full
+# or it is draining (Engine.cleanup), so an undo the requester was promised always happens.
+Cleanup = CloseRequest | Rollback | DropOwner
+
+
+@dataclass(frozen=True, slots=True)
+class Stage:
+    """What a stage serves (PROTOCOL.md `opened.stage`)."""
+
+    first: bool
+    last: bool
+    layers: tuple[int, int]
+    n_embd: int
+    n_vocab: int
+    model: str
+    max_step_tokens: int
+    eog_tokens: tuple[int, ...]  # end-of-generation token ids (at most 16)
