@@ -98,9 +98,10 @@ class Node:
         self.next = NextStage(ctx, config.next, config.downstream_timeout_s, config.hwm) if config.next else None
         self.peers_gone = 0
         self.started = time.monotonic()
-        # A session's step is in flight from its arrival until its reply (through the next
-        # stage too): another step for it meanwhile is `busy`.
-        self.in_flight: set[tuple[bytes, str]] = set()
+        # Steps of a session from arrival until reply (through the next stage too): while the
+        # session is open and one is in flight, another is `busy`. A count, not a flag: steps
+        # for a session that does not exist all go on to be answered `unknown_session`.
+        self.in_flight: Counter[tuple[bytes, str]] = Counter()
         self.handlers = 0
         self.handlers_by_peer: Counter[bytes] = Counter()
         self.handlers_refused = 0
@@ -290,11 +291,16 @@ class Node:
             want = "'token' or 'logits'" if stage.last else "'hidden'"
             self._error(peer, req.rid, ErrorCode.WRONG_STAGE, f"this stage (layers {stage.layers}) gives out={want}")
             return
-        if key in self.in_flight:
+        if self.in_flight[key] and self.engine.max_tokens_of(peer, req.session) is not None:
             self._error(peer, req.rid, ErrorCode.BUSY, "the session already has a step in flight", self._retry_ms())
             return
-        if self._spawn(peer, req.rid, self._step, req, on_exit=lambda: self.in_flight.discard(key)):
-            self.in_flight.add(key)
+        if self._spawn(peer, req.rid, self._step, req, on_exit=lambda: self._step_done(key)):
+            self.in_flight[key] += 1
+
+    def _step_done(self, key: tuple[bytes, str]) -> None:
+        self.in_flight[key] -= 1
+        if not self.in_flight[key]:
+            del self.in_flight[key]
 
     async def _step(self, peer: bytes, req: wire.Step) -> None:
         local_out = _OUT[req.out] if self.next is None else Output.HIDDEN
