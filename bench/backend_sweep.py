@@ -20,8 +20,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import WORK, BareLoop, best_of, gemma_path, paired_ratio, prompt_tokens, table, write_evidence
-from engine.backend import ContextConfig, Output, Segment, StageBackend
+from engine.backend import ContextConfig, Segment, StageBackend
 from engine.local_chain import LocalChain
+from engine.messages import Output
 from neuron_tai.shard import write_stages
 
 COLUMNS = ["concurrency", "backend_tok_s", "bare_tok_s", "ratio", "outside_decode_share", "tokens_equal_bare"]

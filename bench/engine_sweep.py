@@ -26,9 +26,8 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import BareLoop, best_of, gemma_path, paired_ratio, prompt_tokens, table, write_evidence
-from engine.backend import Output
 from engine.engine import Engine, EngineConfig, open_engine
-from engine.messages import CloseRequest, Opened, OpenRequest, StepDone, StepRequest
+from engine.messages import CloseRequest, Opened, OpenRequest, Output, StepDone, StepRequest
 
 COLUMNS = ["concurrency", "agg_tok_s", "bare_tok_s", "ratio", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
            "batch_occupancy", "kv_pressure_peak"]  # fmt: skip

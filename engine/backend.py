@@ -25,37 +25,12 @@ from engine.gguf_facts import KEY_LAYER_START, KEY_SOURCE_BLOCKS, KEY_SOURCE_MOD
 from engine.hidden_capture import HiddenCapture
 from engine.kernels import KERNEL_CHOICES
 from engine.llama_handles import LlamaContext, LlamaModel, SamplerChain, capture_llama_log
+from engine.messages import Output, Refused
 from engine.sampling import GREEDY, SamplingParams
+from protocol.errors import ErrorCode
 
 # KV cache element types: name -> (ggml type id, bytes per element)
 KV_TYPES = {"f32": (0, 4), "f16": (1, 2)}
-
-
-class Output(enum.Enum):
-    """What a segment wants back."""
-
-    NONE = "none"  # a prefill chunk that is not the last of its step
-    HIDDEN = "hidden"  # every row's hidden state (non-last stages)
-    LOGITS = "logits"  # the last row's logits (last stage)
-    TOKEN = "token"  # a token sampled from the last row (last stage)
-    PAD = "pad"  # padding rows: computed as outputs (fixed batch shape), nothing returned
-
-
-class Refusal(enum.Enum):
-    """Why a request was refused before llama.cpp saw it; nothing changed."""
-
-    UNKNOWN_SEQUENCE = "unknown_session"
-    POSITION = "position"
-    BAD_INPUT = "bad_request"
-    WRONG_STAGE = "wrong_stage"
-    NO_SLOT = "session_limit"
-    TOO_LARGE = "too_large"
-
-
-class Refused(Exception):
-    def __init__(self, reason: Refusal, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
 
 
 class DecodeOutcome(enum.IntEnum):
@@ -226,7 +201,7 @@ class StageBackend:
         """Claim a free sequence id."""
         free = next((s for s in range(self.ctx.n_seq_max) if s not in self._seqs), None)
         if free is None:
-            raise Refused(Refusal.NO_SLOT, f"all {self.ctx.n_seq_max} sequences are in use")
+            raise Refused(ErrorCode.SESSION_LIMIT, f"all {self.ctx.n_seq_max} sequences are in use")
         sampler = None
         if self.info.last:
             sampler = SamplerChain(sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed)
@@ -285,10 +260,10 @@ class StageBackend:
         """Drop positions pos.. of a sequence; refused when the cache cannot honour it."""
         state = self._known(seq)
         if pos > state.length or pos < 0:
-            raise Refused(Refusal.POSITION, f"cannot rewind to {pos}: sequence holds {state.length} positions")
+            raise Refused(ErrorCode.POSITION, f"cannot rewind to {pos}: sequence holds {state.length} positions")
         if not self.can_rewind(seq, pos):
             raise Refused(
-                Refusal.POSITION,
+                ErrorCode.POSITION,
                 f"cannot rewind to {pos}: the sliding-window cache (window {self.info.n_swa}) "
                 f"no longer holds positions before {self.ctx.seq_pos_min(seq)}",
             )
@@ -299,7 +274,7 @@ class StageBackend:
     def _known(self, seq: int) -> _Sequence:
         state = self._seqs.get(seq)
         if state is None:
-            raise Refused(Refusal.UNKNOWN_SEQUENCE, f"no open sequence {seq}")
+            raise Refused(ErrorCode.UNKNOWN_SESSION, f"no open sequence {seq}")
         return state
 
     # -- decoding ----------------------------------------------------------------
@@ -310,18 +285,18 @@ class StageBackend:
         for s in segments:
             state = self._known(s.seq)
             if s.seq in seen:
-                raise Refused(Refusal.BAD_INPUT, f"sequence {s.seq} appears twice in one batch")
+                raise Refused(ErrorCode.BAD_REQUEST, f"sequence {s.seq} appears twice in one batch")
             seen.add(s.seq)
             if s.n < 1:
-                raise Refused(Refusal.BAD_INPUT, "a segment needs at least one row")
+                raise Refused(ErrorCode.BAD_REQUEST, "a segment needs at least one row")
             if s.pos != state.length:
                 raise Refused(
-                    Refusal.POSITION, f"sequence {s.seq}: segment starts at {s.pos}, sequence holds {state.length}"
+                    ErrorCode.POSITION, f"sequence {s.seq}: segment starts at {s.pos}, sequence holds {state.length}"
                 )
             self.check_payload(s.tokens, s.hidden, s.output)
             total += s.n
         if total > self.config.n_batch:
-            raise Refused(Refusal.TOO_LARGE, f"batch of {total} rows exceeds n_batch {self.config.n_batch}")
+            raise Refused(ErrorCode.TOO_LARGE, f"batch of {total} rows exceeds n_batch {self.config.n_batch}")
 
     def check_payload(
         self, tokens: npt.NDArray[np.int32] | None, hidden: npt.NDArray[np.float32] | None, output: Output
@@ -329,22 +304,24 @@ class StageBackend:
         """Refuse input or output this stage cannot take, before it can share a batch."""
         info = self.info
         if (tokens is None) == (hidden is None):
-            raise Refused(Refusal.BAD_INPUT, "a segment carries either tokens or hidden states")
+            raise Refused(ErrorCode.BAD_REQUEST, "a segment carries either tokens or hidden states")
         if (info.first and tokens is None) or (not info.first and hidden is None):
             want = "token ids" if info.first else "hidden states"
-            raise Refused(Refusal.WRONG_STAGE, f"this stage (layers {info.layers[0]}-{info.layers[1]}) takes {want}")
+            raise Refused(ErrorCode.WRONG_STAGE, f"this stage (layers {info.layers[0]}-{info.layers[1]}) takes {want}")
         if output in (Output.LOGITS, Output.TOKEN) and not info.last:
-            raise Refused(Refusal.WRONG_STAGE, f"only a last stage gives {output.value}; this one gives hidden")
+            raise Refused(ErrorCode.WRONG_STAGE, f"only a last stage gives {output.value}; this one gives hidden")
         if output is Output.HIDDEN and info.last:
-            raise Refused(Refusal.WRONG_STAGE, "a last stage gives logits or tokens, not hidden states")
+            raise Refused(ErrorCode.WRONG_STAGE, "a last stage gives logits or tokens, not hidden states")
         if tokens is not None:
             if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= info.n_vocab):
-                raise Refused(Refusal.BAD_INPUT, f"token ids must be in [0, {info.n_vocab})")
+                raise Refused(ErrorCode.BAD_REQUEST, f"token ids must be in [0, {info.n_vocab})")
         elif hidden is not None:
             if hidden.ndim != 2 or hidden.shape[1] != info.n_embd:
-                raise Refused(Refusal.BAD_INPUT, f"hidden states must be [n, {info.n_embd}], got {list(hidden.shape)}")
+                raise Refused(
+                    ErrorCode.BAD_REQUEST, f"hidden states must be [n, {info.n_embd}], got {list(hidden.shape)}"
+                )
             if not np.isfinite(hidden).all():
-                raise Refused(Refusal.BAD_INPUT, "hidden states must be finite (no NaN or Inf)")
+                raise Refused(ErrorCode.BAD_REQUEST, "hidden states must be finite (no NaN or Inf)")
 
     def decode(self, segments: Sequence[Segment]) -> list[SegmentResult]:
         """Run one batch; returns one result per segment, in order."""
@@ -404,7 +381,7 @@ class StageBackend:
     def detokenize(self, tokens: Sequence[int]) -> str:
         bad = [t for t in tokens if not 0 <= t < self.info.n_vocab]
         if bad:
-            raise Refused(Refusal.BAD_INPUT, f"token ids must be in [0, {self.info.n_vocab}), got {bad[:4]}")
+            raise Refused(ErrorCode.BAD_REQUEST, f"token ids must be in [0, {self.info.n_vocab}), got {bad[:4]}")
         return self.model.detokenize(list(tokens))
 
     # -- lifetime -----------------------------------------------------------------

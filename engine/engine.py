@@ -1,7 +1,13 @@
 """The engine: one Trio task owns the scheduler and the backend and runs the batch loop.
 
-Requests arrive through a bounded inbox (`submit` never blocks: a full inbox is
-`busy` at once). Between decode steps the engine task drains the inbox, admits and
+Other tasks `await engine.request(...)` for a result: the request goes through a
+bounded inbox (a full inbox is `busy` at once) and the caller waits on a one-shot
+channel; a caller that stops waiting (cancelled) is seen by the engine as a closed
+channel, and whatever was made for it is freed. Cleanups (close, rollback, a gone
+connection) take a second path that is never refused: at most one pending per
+session or connection, so it is bounded by what exists.
+
+Between decode steps the engine task drains cleanups and the inbox, admits and
 expires waiting opens, plans the next iteration, and runs each llama_decode call in
 one dedicated compute thread (one OpenMP team: see compute_thread). Nothing else
 touches the backend meanwhile, so a decode never races a rewind or a close.
@@ -14,7 +20,7 @@ import math
 import time
 from collections import deque
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -22,30 +28,23 @@ from typing import Any, cast
 import numpy as np
 import trio
 
-from engine.backend import (
-    KV_TYPES,
-    ContextConfig,
-    DecodeFailed,
-    Output,
-    Refused,
-    Segment,
-    SegmentResult,
-    StageBackend,
-)
+from engine.backend import KV_TYPES, ContextConfig, DecodeFailed, Segment, SegmentResult, StageBackend
 from engine.budgets import BudgetError, Budgets, KvShape, Limits, kv_layout
 from engine.compute_thread import ComputeThread
 from engine.gguf_facts import ModelFacts, read_facts
 from engine.messages import (
+    Cleanup,
     Closed,
     CloseRequest,
     DropOwner,
     Failure,
     Opened,
     OpenRequest,
-    ReplyTo,
-    Request,
+    Output,
+    Refused,
     Result,
     Rollback,
+    Stage,
     StepDone,
     StepRequest,
 )
@@ -54,7 +53,6 @@ from engine.scheduler import (
     INVARIANT_MAX_ROWS,
     Call,
     Plan,
-    Reason,
     Rejection,
     Scheduler,
     SchedulerConfig,
@@ -62,6 +60,7 @@ from engine.scheduler import (
     Waiter,
 )
 from engine.telemetry import Telemetry
+from protocol.errors import ErrorCode
 
 log = logging.getLogger("neuron_tai.engine")
 
@@ -119,12 +118,57 @@ class IterationRecord:
     pad_rows: int
 
 
+class RequesterGone(Exception):
+    """The requester stopped waiting: what was made for it has no owner any more."""
+
+
+@dataclass(slots=True)
+class _Reply:
+    """Where one request's result goes: the send side of a one-shot channel its requester awaits."""
+
+    channel: trio.MemorySendChannel[Result]
+
+    def deliver(self, result: Opened | StepDone) -> None:
+        """Hand over something the requester now owns; RequesterGone when nobody waits for it."""
+        try:
+            self.channel.send_nowait(result)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock):
+            raise RequesterGone from None
+
+    def answer(self, result: Closed | Failure) -> None:
+        """Answer with something that left nothing behind: a requester that is gone loses nothing."""
+        with suppress(trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock):
+            self.channel.send_nowait(result)
+
+
+Asked = OpenRequest | StepRequest | CloseRequest  # what `Engine.request` takes
+
+
+@dataclass(slots=True)
+class _PendingCleanup:
+    request: Cleanup
+    done: trio.Event
+
+
+def _cleanup_key(request: Cleanup) -> tuple[Any, ...]:
+    if isinstance(request, DropOwner):
+        return ("owner", request.owner)
+    return ("session", request.owner, request.session)
+
+
+def _merge(old: Cleanup, new: Cleanup) -> Cleanup:
+    """Two cleanups of one session as one: a close covers a rollback; two rollbacks, the earlier pos."""
+    if isinstance(old, Rollback) and isinstance(new, Rollback):
+        return old if old.pos <= new.pos else new
+    return old if isinstance(old, CloseRequest | DropOwner) else new
+
+
 @dataclass(slots=True)
 class _Work:
     """A step's request, where its reply goes, and its outputs so far."""
 
     request: StepRequest
-    reply: ReplyTo
+    reply: _Reply
     hidden: list[np.ndarray] = field(default_factory=list)
 
 
@@ -144,7 +188,13 @@ class Engine:
     """Sessions of one stage, batched continuously. Use `open_engine`."""
 
     def __init__(
-        self, config: EngineConfig, backend: StageBackend, budgets: Budgets, cells: int, compute: ComputeThread
+        self,
+        config: EngineConfig,
+        facts: ModelFacts,
+        backend: StageBackend,
+        budgets: Budgets,
+        cells: int,
+        compute: ComputeThread,
     ) -> None:
         self.config = config
         self.compute = compute
@@ -172,7 +222,20 @@ class Engine:
         self.iterations: deque[IterationRecord] = deque(maxlen=100_000)  # when record_iterations
         self.pad_seq = backend.open_sequence() if config.batch_invariant else None
         self.graveyard = backend.open_sequence() if config.batch_invariant else None
-        self._inbox_send, self._inbox = trio.open_memory_channel[tuple[Request, ReplyTo]](config.inbox_size)
+        self._inbox_send, self._inbox = trio.open_memory_channel[tuple[Asked, _Reply]](config.inbox_size)
+        self._cleanups: dict[tuple[Any, ...], _PendingCleanup] = {}
+        # Once: asking llama.cpp about every vocabulary entry takes a while on large vocabularies.
+        eog = tuple(t for t in range(self.info.n_vocab) if backend.model.is_eog(t))[:16]
+        self.stage = Stage(
+            first=facts.first,
+            last=facts.last,
+            layers=(facts.start, facts.end),
+            n_embd=facts.n_embd,
+            n_vocab=self.info.n_vocab,  # the loaded vocabulary; the header facts do not count it
+            model=facts.name,
+            max_step_tokens=self.scheduler.config.max_step_tokens,
+            eog_tokens=eog,
+        )
         self.draining = False
         self.stopped = trio.Event()
         self._idle_scope: trio.CancelScope | None = None
@@ -181,40 +244,74 @@ class Engine:
 
     # -- the API other tasks use ----------------------------------------------------
 
-    def submit(self, request: Request, reply: ReplyTo) -> Failure | None:
-        """Queue a request without blocking; a Failure is the immediate answer when it cannot be queued."""
-        if self.draining and not isinstance(request, CloseRequest | DropOwner):
-            return self._count(Failure("shutting_down", "the node is draining"))
+    async def request(self, request: Asked) -> Result:
+        """The engine's answer. A full inbox is `busy` at once; cancelling the wait is leaving:
+        a session opened or a step computed for a requester that left is closed."""
+        send, recv = trio.open_memory_channel[Result](1)
+        with recv:
+            refused = self._enqueue(request, _Reply(send))
+            if refused is not None:
+                await trio.lowlevel.checkpoint()
+                return refused
+            try:
+                return await recv.receive()
+            except trio.EndOfChannel:  # unreachable while the loop answers everything; never hang on it
+                return self._count(Failure(ErrorCode.SHUTTING_DOWN, "the node stopped"))
+
+    def _enqueue(self, request: Asked, reply: _Reply) -> Failure | None:
+        if self.draining and not isinstance(request, CloseRequest):
+            return self._count(Failure(ErrorCode.SHUTTING_DOWN, "the node is draining"))
         try:
             self._inbox_send.send_nowait((request, reply))
         except trio.WouldBlock:
-            return self._count(Failure("busy", "the engine's inbox is full", self.scheduler.busy_retry_ms()))
+            return self._count(Failure(ErrorCode.BUSY, "the engine's inbox is full", self.scheduler.busy_retry_ms()))
         except (trio.ClosedResourceError, trio.BrokenResourceError):
-            return self._count(Failure("shutting_down", "the node has stopped"))
+            return self._count(Failure(ErrorCode.SHUTTING_DOWN, "the node has stopped"))
         return None
 
-    async def request(self, request: Request) -> Result:
-        """Submit and wait for the answer. Cancelling the wait counts as the requester leaving."""
-        send, recv = trio.open_memory_channel[Result](1)
+    def cleanup_nowait(self, request: Cleanup) -> trio.Event:
+        """Queue a cleanup; never refused, also while draining. The event is set once it is done
+        (or the engine has stopped, which frees everything). One pending per session or owner:
+        a second one for the same key is merged into the first."""
+        pending = self._cleanups.get(_cleanup_key(request))
+        if self.stopped.is_set():
+            done = trio.Event()
+            done.set()
+            return done
+        self.telemetry.cleanups_total += 1
+        if pending is not None:
+            pending.request = _merge(pending.request, request)
+            return pending.done
+        pending = self._cleanups[_cleanup_key(request)] = _PendingCleanup(request, trio.Event())
+        if self._idle_scope is not None:
+            self._idle_scope.cancel()  # wake the loop if it is waiting for work
+        return pending.done
 
-        def deliver(result: Result) -> bool:
-            try:
-                send.send_nowait(result)
-            except (trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock):
-                return False
-            return True
+    async def cleanup(self, request: Cleanup) -> None:
+        """Queue a cleanup and wait until the engine has done it (see `cleanup_nowait`)."""
+        await self.cleanup_nowait(request).wait()
 
-        refused = self.submit(request, deliver)
-        if refused is not None:
-            return refused
-        with recv:
-            return await recv.receive()
+    # -- what a node needs to know --------------------------------------------------
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         return self.backend.tokenize(text, add_special)
 
     def detokenize(self, tokens: list[int]) -> str:
+        """Raises Refused (`bad_request`) for ids outside the vocabulary."""
         return self.backend.detokenize(tokens)
+
+    def busy_retry_ms(self) -> int:
+        """When a `busy` requester should try again: about one step from now."""
+        return self.scheduler.busy_retry_ms()
+
+    def max_tokens_of(self, owner: Any, session: str) -> int | None:
+        """An open session's `max_tokens`; None when there is no such session."""
+        found = self.scheduler.sessions.get((owner, session))
+        return None if found is None else found.max_tokens
+
+    def count_error(self, code: ErrorCode) -> None:
+        """Count an error answered outside the engine (wire, chaining) in `errors_total`."""
+        self.telemetry.errors[code] += 1
 
     def begin_shutdown(self) -> None:
         """Refuse new work; in-flight steps still complete."""
@@ -249,7 +346,8 @@ class Engine:
             self.stopped.set()
 
     def _drain_inbox(self, refuse: bool = False) -> None:
-        """Handle what is waiting in the inbox; after the loop stopped, refuse it instead."""
+        """Handle cleanups, then what waits in the inbox; after the loop stopped, refuse it instead."""
+        self._run_cleanups()
         while True:
             try:
                 request, reply = self._inbox.receive_nowait()
@@ -257,8 +355,23 @@ class Engine:
                 return
             if not refuse:
                 self._handle(request, reply)
-            elif not isinstance(request, DropOwner):
-                reply(self._count(Failure("shutting_down", "the node stopped")))
+            else:
+                reply.answer(self._count(Failure(ErrorCode.SHUTTING_DOWN, "the node stopped")))
+
+    def _run_cleanups(self) -> None:
+        while self._cleanups:
+            pending = self._cleanups.pop(next(iter(self._cleanups)))
+            request = pending.request
+            if isinstance(request, CloseRequest):
+                self._close((request.owner, request.session), "the session was closed")
+            elif isinstance(request, Rollback):
+                self._rollback(request)
+            else:
+                for key in [k for k in self.scheduler.sessions if k[0] == request.owner]:
+                    self._close(key, "the session's connection is gone")
+                for waiter in [w for w in self.scheduler.waiting if w.key[0] == request.owner]:
+                    self.scheduler.waiting.remove(waiter)
+            pending.done.set()
 
     async def _wait_for_work(self) -> None:
         deadlines = [d for d in (self.scheduler.next_deadline_ms(), self._idle_deadline_ms()) if d is not None]
@@ -289,7 +402,7 @@ class Engine:
         now = _now_ms()
         admitted, expired = self.scheduler.poll_waiting(now)
         for waiter, session in admitted:
-            request, reply = cast(tuple[OpenRequest, ReplyTo], waiter.payload)
+            request, reply = cast(tuple[OpenRequest, _Reply], waiter.payload)
             self._bind_and_reply(request, session, reply)
         for waiter, why in expired:
             self._reject_waiter(waiter, why)
@@ -306,25 +419,18 @@ class Engine:
 
     # -- requests ---------------------------------------------------------------------
 
-    def _handle(self, request: Request, reply: ReplyTo) -> None:
+    def _handle(self, request: Asked, reply: _Reply) -> None:
         if isinstance(request, OpenRequest):
             self._open(request, reply)
         elif isinstance(request, StepRequest):
             self._step(request, reply)
-        elif isinstance(request, CloseRequest):
-            existed = self._close((request.owner, request.session), "the session was closed")
-            reply(Closed(request.session, existed))
-        elif isinstance(request, Rollback):
-            reply(self._rollback(request))
         else:
-            for key in [k for k in self.scheduler.sessions if k[0] == request.owner]:
-                self._close(key, "the session's connection is gone")
-            for waiter in [w for w in self.scheduler.waiting if w.key[0] == request.owner]:
-                self.scheduler.waiting.remove(waiter)
+            existed = self._close((request.owner, request.session), "the session was closed")
+            reply.answer(Closed(request.session, existed))
 
-    def _open(self, request: OpenRequest, reply: ReplyTo) -> None:
+    def _open(self, request: OpenRequest, reply: _Reply) -> None:
         if request.max_tokens < 1:
-            reply(self._count(Failure("bad_request", "max_tokens must be >= 1")))
+            reply.answer(self._count(Failure(ErrorCode.BAD_REQUEST, "max_tokens must be >= 1")))
             return
         key = (request.owner, request.session)
         outcome = self.scheduler.request_open(key, request.max_tokens, request.wait_ms, _now_ms(), (request, reply))
@@ -333,39 +439,43 @@ class Engine:
         elif not isinstance(outcome, Waiter):
             self._bind_and_reply(request, outcome, reply)
 
-    def _bind_and_reply(self, request: OpenRequest, session: Session, reply: ReplyTo) -> None:
+    def _bind_and_reply(self, request: OpenRequest, session: Session, reply: _Reply) -> None:
         session.seq = self.backend.open_sequence(request.sampling)
         self.telemetry.admissions_total += 1
         self.telemetry.kv_reserved_peak = max(self.telemetry.kv_reserved_peak, self.scheduler.kv_reserved)
-        if not reply(Opened(request.session, session.max_tokens)):
+        try:
+            reply.deliver(Opened(request.session, session.max_tokens))
+        except RequesterGone:
             self._close(session.key, "the requester is gone")
 
-    def _reject(self, why: Rejection, reply: ReplyTo) -> None:
-        if why.reason in (Reason.KV_BUDGET, Reason.SESSION_LIMIT, Reason.BUSY, Reason.SHUTTING_DOWN):
-            self.telemetry.rejected[why.reason.value] += 1
-        reply(self._count(Failure(why.reason.value, why.message, why.retry_after_ms)))
+    def _reject(self, why: Rejection, reply: _Reply) -> None:
+        if why.code in (ErrorCode.KV_BUDGET, ErrorCode.SESSION_LIMIT, ErrorCode.BUSY, ErrorCode.SHUTTING_DOWN):
+            self.telemetry.rejected[why.code] += 1
+        reply.answer(self._count(Failure(why.code, why.message, why.retry_after_ms)))
 
     def _reject_waiter(self, waiter: Waiter, why: Rejection) -> None:
-        _request, reply = cast(tuple[OpenRequest, ReplyTo], waiter.payload)
+        _request, reply = cast(tuple[OpenRequest, _Reply], waiter.payload)
         self._reject(why, reply)
 
-    def _step(self, request: StepRequest, reply: ReplyTo) -> None:
+    def _step(self, request: StepRequest, reply: _Reply) -> None:
         key = (request.owner, request.session)
         session = self.scheduler.sessions.get(key)
         if session is None:
-            reply(self._count(Failure("unknown_session", "no such open session on this connection")))
+            reply.answer(self._count(Failure(ErrorCode.UNKNOWN_SESSION, "no such open session on this connection")))
             return
         try:
             self.backend.check_payload(request.tokens, request.hidden, request.out)
         except Refused as exc:
-            reply(self._count(Failure(exc.reason.value, str(exc))))
+            reply.answer(self._count(Failure(exc.code, str(exc))))
             return
         if request.n < 1:
-            reply(self._count(Failure("bad_request", "a step needs n >= 1")))
+            reply.answer(self._count(Failure(ErrorCode.BAD_REQUEST, "a step needs n >= 1")))
             return
         rewind = request.pos < session.length and session.step is None
         if rewind and not self.backend.can_rewind(session.seq, request.pos):
-            reply(self._count(Failure("position", f"cannot rewind to {request.pos}: outside the sliding window")))
+            reply.answer(
+                self._count(Failure(ErrorCode.POSITION, f"cannot rewind to {request.pos}: outside the sliding window"))
+            )
             return
         self._coming_back.discard(key)
         work = _Work(request, reply)
@@ -376,16 +486,17 @@ class Engine:
         if rewind:
             self.backend.rewind(session.seq, request.pos)
 
-    def _rollback(self, request: Rollback) -> Result:
+    def _rollback(self, request: Rollback) -> None:
+        """Back to `pos`; a session that cannot go back that far is closed instead."""
         key = (request.owner, request.session)
         session = self.scheduler.sessions.get(key)
         if session is None:
-            return Closed(request.session, existed=False)
+            return
         if self.backend.can_rewind(session.seq, request.pos) and self.scheduler.rollback(key, request.pos):
             self.backend.rewind(session.seq, request.pos)
-            return Closed(request.session, existed=True)
+            return
+        log.warning("session %r could not be rolled back to %d: closed", request.session, request.pos)
         self._close(key, "the session could not be rolled back")
-        return Closed(request.session, existed=False)
 
     def _close(self, key: Any, why: str) -> bool:
         self._coming_back.discard(key)
@@ -401,7 +512,7 @@ class Engine:
                 self.scheduler.release_held()
         if session.step is not None:
             work: _Work = session.step.payload  # type: ignore[assignment]
-            work.reply(self._count(Failure("unknown_session", f"{why} before this step ran")))
+            work.reply.answer(self._count(Failure(ErrorCode.UNKNOWN_SESSION, f"{why} before this step ran")))
         return True
 
     # -- running a call ----------------------------------------------------------------
@@ -460,8 +571,9 @@ class Engine:
         self.scheduler.commit(plan, now, seconds * 1000)
         for work, result in finished:
             self._coming_back.add((work.request.owner, work.request.session))
-            if not work.reply(self._done(work, result)):
-                # The requester is gone: nobody will read this session again.
+            try:
+                work.reply.deliver(self._done(work, result))
+            except RequesterGone:  # nobody will read this session again
                 self._close((work.request.owner, work.request.session), "the requester is gone")
 
     def _is_decode(self, key: Any) -> bool:
@@ -490,21 +602,30 @@ class Engine:
             work: _Work = step.payload  # type: ignore[assignment]
             if self.backend.can_rewind(session.seq, step.pos):
                 self.backend.rewind(session.seq, step.pos)
-                work.reply(self._count(Failure("internal", f"the backend failed; session rolled back: {message}")))
+                work.reply.answer(
+                    self._count(Failure(ErrorCode.INTERNAL, f"the backend failed; session rolled back: {message}"))
+                )
             else:
                 self._close(step.key, "the backend failed")
-                work.reply(self._count(Failure("internal", f"the backend failed; session closed: {message}")))
+                work.reply.answer(
+                    self._count(Failure(ErrorCode.INTERNAL, f"the backend failed; session closed: {message}"))
+                )
 
     def _fail_everything_pending(self) -> None:
         for session in self.scheduler.sessions.values():
             if session.step is not None:
                 work: _Work = session.step.payload  # type: ignore[assignment]
                 session.step = None
-                work.reply(self._count(Failure("shutting_down", "the node stopped before this step ran")))
+                work.reply.answer(
+                    self._count(Failure(ErrorCode.SHUTTING_DOWN, "the node stopped before this step ran"))
+                )
         for waiter in list(self.scheduler.waiting):
-            self._reject_waiter(waiter, Rejection(Reason.SHUTTING_DOWN, "the node stopped"))
+            self._reject_waiter(waiter, Rejection(ErrorCode.SHUTTING_DOWN, "the node stopped"))
         self._inbox_send.close()
         self._drain_inbox(refuse=True)
+        for pending in self._cleanups.values():  # the loop is gone, and with it every session
+            pending.done.set()
+        self._cleanups.clear()
 
     def _count(self, failure: Failure) -> Failure:
         self.telemetry.errors[failure.code] += 1
@@ -548,6 +669,8 @@ class Engine:
             "errors_total": dict(t.errors),
             "linger_seconds_total": round(t.linger_seconds_total, 4),
             "late_sessions_total": t.late_sessions_total,
+            "cleanups_total": t.cleanups_total,
+            "cleanups_pending": len(self._cleanups),
             "draining": self.draining,
         }
 
@@ -568,7 +691,7 @@ async def open_engine(config: EngineConfig) -> AsyncIterator[Engine]:
         buffers = ", ".join(f"{name} {size / 2**20:.1f} MiB" for name, size in model.weight_buffers.items())
         log.info("weights on the %s kernel path (asked: %s; %s)", model.kernel_path.value, config.kernels, buffers)
         try:
-            engine = Engine(config, backend, budgets, cells, compute)
+            engine = Engine(config, facts, backend, budgets, cells, compute)
             problems = engine.budgets.violations(config.limits)
             if problems:
                 raise BudgetError("configuration does not fit: " + "; ".join(problems))

@@ -40,6 +40,14 @@ class ModelFacts:
     def end(self) -> int:
         return self.start + self.block_count
 
+    @property
+    def first(self) -> bool:
+        return self.start == 0
+
+    @property
+    def last(self) -> bool:
+        return self.end == self.source_blocks
+
 
 def swa_pattern(header: Header, arch: str, n_layer: int) -> list[bool] | None:
     """Per-layer sliding-window flags as llama.cpp derives them; None without a window."""

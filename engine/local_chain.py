@@ -11,7 +11,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import numpy.typing as npt
 
-from engine.backend import Output, Segment, StageBackend
+from engine.backend import Segment, StageBackend
+from engine.messages import Output
 
 
 class LocalChain:

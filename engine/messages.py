@@ -1,17 +1,41 @@
-"""What the engine is asked and what it answers: plain frozen data, no transport, no Trio."""
+"""What the engine is asked and what it answers: plain frozen data, no transport, no Trio.
+
+A leaf: it imports neither llama.cpp nor the backend, so the node, the scheduler's
+tests and any client of the engine can use these types without loading a model
+library. The backend takes `Output` and `Refused` from here.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+import enum
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
-from engine.backend import Output
 from engine.sampling import GREEDY, SamplingParams
+from protocol.errors import ErrorCode
 
 Owner = Hashable  # the connection a session belongs to
+
+
+class Output(enum.Enum):
+    """What a step (or one segment of a batch) wants back."""
+
+    NONE = "none"  # a prefill chunk that is not the last of its step
+    HIDDEN = "hidden"  # every row's hidden state (non-last stages)
+    LOGITS = "logits"  # the last row's logits (last stage)
+    TOKEN = "token"  # a token sampled from the last row (last stage)
+    PAD = "pad"  # padding rows: computed as outputs (fixed batch shape), nothing returned
+
+
+class Refused(Exception):
+    """A request refused before llama.cpp saw it; nothing changed. `code` says why."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,12 +117,27 @@ class Closed:
 
 @dataclass(frozen=True, slots=True)
 class Failure:
-    code: str  # a PROTOCOL.md error code
+    code: ErrorCode
     message: str
     retry_after_ms: int | None = None
 
 
 Result = Opened | StepDone | Closed | Failure
 
-# Delivers a result to whoever asked; False when they are gone (their session is then freed).
-ReplyTo = Callable[[Result], bool]
+# Requests that only free what exists: the engine takes them even when its inbox is full
+# or it is draining (Engine.cleanup), so an undo the requester was promised always happens.
+Cleanup = CloseRequest | Rollback | DropOwner
+
+
+@dataclass(frozen=True, slots=True)
+class Stage:
+    """What a stage serves (PROTOCOL.md `opened.stage`)."""
+
+    first: bool
+    last: bool
+    layers: tuple[int, int]
+    n_embd: int
+    n_vocab: int
+    model: str
+    max_step_tokens: int
+    eog_tokens: tuple[int, ...]  # end-of-generation token ids (at most 16)

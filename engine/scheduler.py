@@ -19,31 +19,19 @@ plans it returns, and reports back. The policy (DESIGN.md):
 
 from __future__ import annotations
 
-import enum
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from protocol.errors import ErrorCode
+
 SessionKey = Any  # any hashable; the engine uses (connection, session id)
-
-
-class Reason(enum.StrEnum):
-    """Protocol error codes the scheduler decides."""
-
-    BUSY = "busy"
-    KV_BUDGET = "kv_budget"
-    SESSION_LIMIT = "session_limit"
-    UNKNOWN_SESSION = "unknown_session"
-    SESSION_EXISTS = "session_exists"
-    POSITION = "position"
-    TOO_LARGE = "too_large"
-    SHUTTING_DOWN = "shutting_down"
 
 
 @dataclass(frozen=True, slots=True)
 class Rejection:
-    reason: Reason
+    code: ErrorCode
     message: str
     retry_after_ms: int | None = None
 
@@ -199,21 +187,23 @@ class Scheduler:
         cfg = self.config
         retry = int(min(60_000, max(self.estimates.step_ms, self.estimates.session_ms / max(1, len(self.sessions)))))
         if len(self.sessions) >= cfg.max_sessions:
-            return Rejection(Reason.SESSION_LIMIT, f"the node holds its maximum of {cfg.max_sessions} sessions", retry)
+            return Rejection(
+                ErrorCode.SESSION_LIMIT, f"the node holds its maximum of {cfg.max_sessions} sessions", retry
+            )
         free = cfg.kv_cells - self.kv_reserved - self.kv_held
-        return Rejection(Reason.KV_BUDGET, f"{max_tokens} KV cells requested, {free} of {cfg.kv_cells} free", retry)
+        return Rejection(ErrorCode.KV_BUDGET, f"{max_tokens} KV cells requested, {free} of {cfg.kv_cells} free", retry)
 
     def request_open(
         self, key: SessionKey, max_tokens: int, wait_ms: int, now_ms: float, payload: object = None
     ) -> Session | Waiter | Rejection:
         """Admit now, queue for up to `wait_ms`, or reject with a reason."""
         if self.shutting_down:
-            return Rejection(Reason.SHUTTING_DOWN, "the node is draining")
+            return Rejection(ErrorCode.SHUTTING_DOWN, "the node is draining")
         if key in self.sessions or any(w.key == key for w in self.waiting):
-            return Rejection(Reason.SESSION_EXISTS, "a session with this id is open")
+            return Rejection(ErrorCode.SESSION_EXISTS, "a session with this id is open")
         if max_tokens > self.config.kv_cells:
             return Rejection(
-                Reason.KV_BUDGET, f"max_tokens {max_tokens} exceeds the node's {self.config.kv_cells} cells"
+                ErrorCode.KV_BUDGET, f"max_tokens {max_tokens} exceeds the node's {self.config.kv_cells} cells"
             )
         if not self.waiting and self._fits(max_tokens):
             return self._admit(key, max_tokens, now_ms)
@@ -239,7 +229,7 @@ class Scheduler:
         for w in list(self.waiting):
             if self.shutting_down or w.deadline_ms <= now_ms:
                 self.waiting.remove(w)
-                why = Rejection(Reason.SHUTTING_DOWN, "the node is draining") if self.shutting_down else None
+                why = Rejection(ErrorCode.SHUTTING_DOWN, "the node is draining") if self.shutting_down else None
                 expired.append((w, why or self._shortage(w.max_tokens)))
         return admitted, expired
 
@@ -267,22 +257,22 @@ class Scheduler:
         """Accept a step or refuse it; an accepted rewind (pos < length) shortens the session."""
         cfg = self.config
         if self.shutting_down:
-            return Rejection(Reason.SHUTTING_DOWN, "the node is draining")
+            return Rejection(ErrorCode.SHUTTING_DOWN, "the node is draining")
         session = self.sessions.get(key)
         if session is None:
-            return Rejection(Reason.UNKNOWN_SESSION, "no such open session on this connection")
+            return Rejection(ErrorCode.UNKNOWN_SESSION, "no such open session on this connection")
         if session.step is not None:
-            return Rejection(Reason.BUSY, "the session already has a step in flight", self.busy_retry_ms())
+            return Rejection(ErrorCode.BUSY, "the session already has a step in flight", self.busy_retry_ms())
         if n > cfg.max_step_tokens:
-            return Rejection(Reason.TOO_LARGE, f"n={n} exceeds max_step_tokens {cfg.max_step_tokens}")
+            return Rejection(ErrorCode.TOO_LARGE, f"n={n} exceeds max_step_tokens {cfg.max_step_tokens}")
         if n < 1 or pos < 0 or pos > session.length or pos + n > session.max_tokens:
             return Rejection(
-                Reason.POSITION,
+                ErrorCode.POSITION,
                 f"step at pos={pos} n={n}: session holds {session.length} of max_tokens {session.max_tokens}",
             )
         if self.queued_bytes + nbytes > cfg.queue_budget_bytes:
             return Rejection(
-                Reason.BUSY, f"queue budget full ({self.queued_bytes} of {cfg.queue_budget_bytes} bytes)",
+                ErrorCode.BUSY, f"queue budget full ({self.queued_bytes} of {cfg.queue_budget_bytes} bytes)",
                 self.busy_retry_ms(),
             )  # fmt: skip
         self._arrivals += 1

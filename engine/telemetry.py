@@ -69,6 +69,7 @@ class Telemetry:
     kv_reserved_peak: int = 0
     linger_seconds_total: float = 0.0  # waiting for answered sessions' next steps
     late_sessions_total: int = 0  # answered sessions whose next step missed the next batch
+    cleanups_total: int = 0  # close/rollback/gone-connection requests taken on the cleanup path
     prefill_tokens_total: int = 0
     decode_tokens_total: int = 0
     prefill_window: RateWindow = field(default_factory=RateWindow)

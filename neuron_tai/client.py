@@ -12,7 +12,6 @@ Once the client's socket task has stopped, every waiting or new request raises
 
 from __future__ import annotations
 
-import itertools
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
@@ -24,9 +23,11 @@ import numpy.typing as npt
 import trio
 import zmq
 
-from transport.pump import SocketPump
+from protocol.errors import ErrorCode
+from transport.requester import ClientClosed, OutboxFull, Requester
 from transport.trio_zmq import TrioSocket
-from transport.wire import decode_reply, encode
+
+__all__ = ["Client", "ClientClosed", "NodeError", "StepReply", "open_client"]
 
 
 class NodeError(Exception):
@@ -39,10 +40,6 @@ class NodeError(Exception):
         self.retry_after_ms = retry_after_ms
 
 
-class ClientClosed(ConnectionError):
-    """The client's socket task has stopped: no reply can arrive any more."""
-
-
 @dataclass(frozen=True, slots=True)
 class StepReply:
     header: dict[str, Any]
@@ -53,31 +50,13 @@ class StepReply:
 
 class Client:
     def __init__(self, sock: TrioSocket, timeout_s: float, retries: int) -> None:
-        self.sock = sock
+        self.core = Requester(sock)
         self.timeout_s = timeout_s
         self.retries = retries
-        self.pump = SocketPump(sock, self._on_message)
-        self._rids = itertools.count(1)
-        self._waiting: dict[int, trio.MemorySendChannel[tuple[dict[str, Any], list[bytes]]]] = {}
-        self._closed = False
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Own the socket; when this stops, for whatever reason, the waiting requests fail."""
-        try:
-            await self.pump.run(task_status=task_status)
-        finally:
-            self._closed = True
-            for send in self._waiting.values():
-                send.close()
-
-    def _on_message(self, frames: list[bytes]) -> None:
-        try:
-            header, payload = decode_reply(frames)
-        except Exception:
-            return
-        send = self._waiting.pop(header.get("rid", -1), None)
-        if send is not None:
-            send.send_nowait((header, payload))
+        await self.core.run(task_status=task_status)
 
     async def request(
         self, header: dict[str, Any], *payload: bytes, retry: bool = True
@@ -85,26 +64,15 @@ class Client:
         """Send one request and wait for its reply; NodeError for an `error` reply."""
         attempts = 1 + (self.retries if retry else 0)
         for _attempt in range(attempts):
-            if self._closed:
-                await trio.lowlevel.checkpoint_if_cancelled()  # a cancelled caller sees Cancelled
-                raise ClientClosed(f"{header.get('op')!r}: the client is closed")
-            rid = next(self._rids)
-            send, recv = trio.open_memory_channel[tuple[dict[str, Any], list[bytes]]](1)
-            self._waiting[rid] = send
             try:
-                if not self.pump.send_nowait(encode({**header, "rid": rid}, *payload)):
-                    raise NodeError("busy", "the client's outbox is full")
-                with trio.move_on_after(self.timeout_s):
-                    try:
-                        reply, frames = await recv.receive()
-                    except trio.EndOfChannel:
-                        await trio.lowlevel.checkpoint_if_cancelled()
-                        raise ClientClosed(f"{header.get('op')!r}: the client closed while waiting") from None
-                    if reply.get("op") == "error":
-                        raise NodeError(str(reply.get("code")), str(reply.get("message")), reply.get("retry_after_ms"))
-                    return reply, frames
-            finally:
-                self._waiting.pop(rid, None)
+                reply, frames = await self.core.request(header, list(payload), self.timeout_s)
+            except TimeoutError:
+                continue
+            except OutboxFull as exc:
+                raise NodeError(ErrorCode.BUSY, str(exc)) from None
+            if reply.get("op") == "error":
+                raise NodeError(str(reply.get("code")), str(reply.get("message")), reply.get("retry_after_ms"))
+            return reply, frames
         raise TimeoutError(f"no reply to {header.get('op')!r} within {self.timeout_s}s ({attempts} attempts)")
 
     async def ping(self) -> float:

@@ -5,10 +5,11 @@
         await trio.sleep_forever()
 
 One pump task owns the ROUTER socket: it decodes and validates each message and
-either answers at once (ping, stats, tokenize, detokenize, errors) or submits the
-work to the engine without blocking. Engine results come back as callbacks that
-queue the reply on the pump. With `next` set, results are forwarded to the next
-stage and its reply is relayed, so a chain looks like one node to a client.
+answers at once what needs no waiting (ping, stats, tokenize, detokenize, errors).
+Each open, step and close becomes one handler task in the node's nursery that awaits
+the engine, then (with `next` set) the next stage, then replies: a chain looks like
+one node to a client. Handler tasks are capped per connection and in total; beyond
+the cap a request is answered `busy` at once, so ping and stats are never held up.
 """
 
 from __future__ import annotations
@@ -16,16 +17,16 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import trio
 import zmq
 
-from engine.backend import Output, Refused
 from engine.engine import Engine, EngineConfig, open_engine
 from engine.messages import (
     Closed,
@@ -34,15 +35,18 @@ from engine.messages import (
     Failure,
     Opened,
     OpenRequest,
-    Result,
+    Output,
+    Refused,
     Rollback,
     StepDone,
     StepRequest,
 )
 from engine.sampling import SamplingParams
-from neuron_tai.downstream import Downstream
+from neuron_tai.downstream import NextStage
+from protocol.errors import ErrorCode
 from transport import wire
 from transport.pump import SocketPump
+from transport.requester import Reply
 from transport.trio_zmq import TrioSocket
 
 log = logging.getLogger("neuron_tai.node")
@@ -58,8 +62,15 @@ class NodeConfig:
     downstream_timeout_s: float = 30.0
     metrics_port: int | None = None
     drain_timeout_s: float = 10.0
+    # Requests waiting on the engine or the next stage at once (each is one task): in total
+    # and per connection. Beyond either, a request is answered `busy` at once.
+    max_handlers: int = 1024
+    max_handlers_per_peer: int = 256
     extra_stats: dict[str, Any] = field(default_factory=dict)
 
+
+R = TypeVar("R", wire.Open, wire.Step, wire.Close)
+Handler = Callable[[bytes, R], Awaitable[None]]
 
 _OUT = {"hidden": Output.HIDDEN, "token": Output.TOKEN, "logits": Output.LOGITS}
 
@@ -73,7 +84,7 @@ class Node:
     def __init__(self, config: NodeConfig, engine: Engine, ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
         self.config = config
         self.engine = engine
-        self.info = engine.info
+        self.stage = engine.stage
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes)
@@ -84,39 +95,70 @@ class Node:
         self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.sock = TrioSocket(sock)
         self.pump = SocketPump(self.sock, self._on_message, routed=True, on_peer_gone=self._peer_gone)
-        self.downstream = Downstream(ctx, config.next, config.downstream_timeout_s, config.hwm) if config.next else None
+        self.next = NextStage(ctx, config.next, config.downstream_timeout_s, config.hwm) if config.next else None
         self.peers_gone = 0
         self.started = time.monotonic()
-        # Sessions whose step finished here and is still on its way through the next stage:
-        # the step is in flight until the chain answers, so another one is `busy`.
-        self.forwarding: set[tuple[bytes, str]] = set()
-        # Once: asking llama.cpp about every vocabulary entry takes a while on large vocabularies.
-        self.eog_tokens = [t for t in range(self.info.n_vocab) if engine.backend.model.is_eog(t)][:16]
+        # Steps of a session from arrival until reply (through the next stage too): while the
+        # session is open and one is in flight, another is `busy`. A count, not a flag: steps
+        # for a session that does not exist all go on to be answered `unknown_session`.
+        self.in_flight: Counter[tuple[bytes, str]] = Counter()
+        self.handlers = 0
+        self.handlers_by_peer: Counter[bytes] = Counter()
+        self.handlers_refused = 0
+        self.handlers_idle = trio.Event()
+        self.handlers_idle.set()
+        self._nursery: trio.Nursery | None = None
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The socket tasks and every request's handler task live in this nursery."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            await nursery.start(self.pump.run)
+            if self.next is not None:
+                await nursery.start(self.next.run)
+            task_status.started()
 
     # -- replies -----------------------------------------------------------------------
 
     def _send(self, peer: bytes, frames: list[bytes]) -> bool:
+        """Queue a reply; False when it cannot go out (the peer is gone or hopelessly behind)."""
         return self.pump.send_nowait([peer, *frames])
 
-    def _error(self, peer: bytes, rid: int | None, code: str, message: str, retry: int | None = None) -> bool:
-        if code not in ("busy",):
-            log.debug("error %s to %s: %s", code, peer.hex(), message)
-        return self._send(peer, wire.encode_error(rid, code, message, retry))
+    def _deliver(self, peer: bytes, session: str, frames: list[bytes]) -> None:
+        """A reply that hands the peer a session or its state: if it cannot go out, nobody owns them."""
+        if not self._send(peer, frames):
+            self.engine.cleanup_nowait(CloseRequest(peer, session))
 
-    def _failure(self, peer: bytes, rid: int, failure: Failure) -> bool:
-        return self._error(peer, rid, failure.code, failure.message, failure.retry_after_ms)
+    def _error(self, peer: bytes, rid: int | None, code: ErrorCode, message: str, retry: int | None = None) -> None:
+        """An error this node decided (the engine counts its own): counted in `errors_total`."""
+        self.engine.count_error(code)
+        self._relay_error(peer, rid, code, message, retry)
+
+    def _relay_error(
+        self, peer: bytes, rid: int | None, code: ErrorCode, message: str, retry: int | None = None
+    ) -> None:
+        if code is not ErrorCode.BUSY:
+            log.debug("error %s to %s: %s", code, peer.hex(), message)
+        self._send(peer, wire.encode_error(rid, code, message, retry))
+
+    def _failure(self, peer: bytes, rid: int, failure: Failure) -> None:
+        self._relay_error(peer, rid, failure.code, failure.message, failure.retry_after_ms)
+
+    def _next_stage_error(self, peer: bytes, rid: int, reply: dict[str, Any]) -> None:
+        code = ErrorCode.parse(reply.get("code"))
+        self._relay_error(peer, rid, code, str(reply.get("message", "")), reply.get("retry_after_ms"))
 
     def stage_map(self) -> dict[str, Any]:
-        info = self.info
+        stage = self.stage
         return {
-            "first": info.first,
-            "last": info.last,
-            "layers": list(info.layers),
-            "n_embd": info.n_embd,
-            "n_vocab": info.n_vocab,
-            "model": info.model,
-            "max_step_tokens": self.engine.scheduler.config.max_step_tokens,
-            "eog_tokens": self.eog_tokens,
+            "first": stage.first,
+            "last": stage.last,
+            "layers": list(stage.layers),
+            "n_embd": stage.n_embd,
+            "n_vocab": stage.n_vocab,
+            "model": stage.model,
+            "max_step_tokens": stage.max_step_tokens,
+            "eog_tokens": list(stage.eog_tokens),
         }
 
     def stats(self) -> dict[str, Any]:
@@ -124,8 +166,10 @@ class Node:
         stats["max_message_bytes"] = self.config.max_message_bytes
         stats["peers_gone_total"] = self.peers_gone
         stats["uptime_s"] = round(time.monotonic() - self.started, 1)
-        if self.downstream is not None:
-            stats["downstream"] = {"address": self.downstream.address, "failures_total": self.downstream.failures}
+        stats["handlers_active"] = self.handlers
+        stats["handlers_refused_total"] = self.handlers_refused
+        if self.next is not None:
+            stats["downstream"] = {"address": self.next.address, "failures_total": self.next.failures}
         return {**stats, **self.config.extra_stats}
 
     # -- requests ----------------------------------------------------------------------
@@ -133,16 +177,15 @@ class Node:
     def _on_message(self, frames: list[bytes]) -> None:
         peer, body = frames[0], frames[1:]
         try:
-            request = wire.decode_request(body, self.info.n_embd)
+            request = wire.decode_request(body, self.stage.n_embd)
         except wire.WireError as exc:
-            self.engine.telemetry.errors[exc.code] += 1
             self._error(peer, exc.rid, exc.code, exc.message)
             return
         try:
             self._dispatch(peer, request)
         except Exception as exc:  # a bug must cost one request, never the node
             log.exception("request %r failed", type(request).__name__)
-            self._error(peer, request.rid, "internal", f"{type(exc).__name__}: {exc}")
+            self._error(peer, request.rid, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
 
     def _dispatch(self, peer: bytes, request: wire.Request) -> None:
         rid = request.rid
@@ -157,97 +200,133 @@ class Node:
             try:
                 text = self.engine.detokenize(request.tokens.tolist())
             except Refused as exc:
-                self._error(peer, rid, "bad_request", str(exc))
+                self._error(peer, rid, exc.code, str(exc))
                 return
             self._send(peer, wire.encode({"op": "text", "rid": rid, "text": text}))
         elif isinstance(request, wire.Open):
-            self._open(peer, request)
+            self._spawn(peer, rid, self._open, request)
         elif isinstance(request, wire.Step):
-            self._step(peer, request)
+            self._start_step(peer, request)
         else:
-            self._close(peer, request)
+            self._spawn(peer, rid, self._close, request)
 
-    def _submit(self, peer: bytes, rid: int, request: Any, on_result: Any) -> None:
-        refused = self.engine.submit(request, on_result)
-        if refused is not None:
-            self._failure(peer, rid, refused)
+    def _spawn(
+        self, peer: bytes, rid: int, handler: Handler[R], request: R, *, on_exit: Callable[[], None] | None = None
+    ) -> bool:
+        """Run `handler(peer, request)` as a task of its own, or answer `busy` at once when too many run."""
+        cfg = self.config
+        if self.handlers >= cfg.max_handlers or self.handlers_by_peer[peer] >= cfg.max_handlers_per_peer:
+            self.handlers_refused += 1
+            self._error(peer, rid, ErrorCode.BUSY, "the node has too many requests in progress", self._retry_ms())
+            return False
+        assert self._nursery is not None
+        self.handlers += 1
+        self.handlers_by_peer[peer] += 1
+        self.handlers_idle = trio.Event() if self.handlers == 1 else self.handlers_idle
+        self._nursery.start_soon(self._run_handler, peer, rid, handler, request, on_exit)
+        return True
 
-    def _open(self, peer: bytes, req: wire.Open) -> None:
+    async def _run_handler(
+        self, peer: bytes, rid: int, handler: Handler[R], request: R, on_exit: Callable[[], None] | None
+    ) -> None:
+        try:
+            await handler(peer, request)
+        except Exception as exc:  # a bug must cost one request, never the node
+            log.exception("request %d failed", rid)
+            self._error(peer, rid, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+        finally:
+            if on_exit is not None:
+                on_exit()
+            self.handlers -= 1
+            self.handlers_by_peer[peer] -= 1
+            if not self.handlers_by_peer[peer]:
+                del self.handlers_by_peer[peer]
+            if not self.handlers:
+                self.handlers_idle.set()
+
+    def _retry_ms(self) -> int:
+        return self.engine.busy_retry_ms()
+
+    async def _open(self, peer: bytes, req: wire.Open) -> None:
         s = req.sampling
         sampling = SamplingParams(s.temperature, s.top_k, s.top_p, s.seed)
-        request = OpenRequest(peer, req.session, req.max_tokens, sampling, req.wait_ms)
-
-        def on_result(result: Result) -> bool:
-            if isinstance(result, Failure):
-                self._failure(peer, req.rid, result)
-                return True  # nothing was created for this requester: nothing to free
-            assert isinstance(result, Opened)
-            if self.downstream is None:
-                header = {"op": "opened", "rid": req.rid, "session": req.session,
-                          "kv_reserved": result.kv_reserved, "stage": self.stage_map()}  # fmt: skip
-                return self._send(peer, wire.encode(header))
-            self._forward_open(peer, req, result)
-            return True
-
-        self._submit(peer, req.rid, request, on_result)
-
-    def _forward_open(self, peer: bytes, req: wire.Open, local: Opened) -> None:
-        assert self.downstream is not None
-        header = {"op": "open", "session": forwarded_session(peer, req.session), "max_tokens": req.max_tokens,
-                  "wait_ms": req.wait_ms, "sampling": {"temperature": req.sampling.temperature,
-                  "top_k": req.sampling.top_k, "top_p": req.sampling.top_p, "seed": req.sampling.seed}}  # fmt: skip
-
-        def on_reply(reply: dict[str, Any] | None, _payload: list[bytes]) -> None:
-            if reply is None or reply.get("op") != "opened":
-                self.engine.submit(CloseRequest(peer, req.session), lambda _r: True)
+        result = await self.engine.request(OpenRequest(peer, req.session, req.max_tokens, sampling, req.wait_ms))
+        if isinstance(result, Failure):
+            self._failure(peer, req.rid, result)
+            return
+        assert isinstance(result, Opened)
+        stage = self.stage_map()
+        if self.next is not None:
+            header = {"op": "open", "session": forwarded_session(peer, req.session), "max_tokens": req.max_tokens,
+                      "wait_ms": req.wait_ms, "sampling": {"temperature": s.temperature, "top_k": s.top_k,
+                      "top_p": s.top_p, "seed": s.seed}}  # fmt: skip
+            reply = await self.next.request(header)
+            if reply is None or reply[0].get("op") != "opened":
+                await self.engine.cleanup(CloseRequest(peer, req.session))  # nothing is opened anywhere
                 if reply is None:
-                    self._error(peer, req.rid, "downstream", "the next stage did not answer; nothing was opened")
+                    self._error(
+                        peer, req.rid, ErrorCode.DOWNSTREAM, "the next stage did not answer; nothing was opened"
+                    )
                 else:
-                    self._error(peer, req.rid, reply.get("code", "downstream"), str(reply.get("message", "")),
-                                reply.get("retry_after_ms"))  # fmt: skip
+                    self._next_stage_error(peer, req.rid, reply[0])
                 return
-            theirs = reply.get("stage", {})
-            stage = self.stage_map()
+            theirs = reply[0].get("stage", {})
             stage.update(last=theirs.get("last", False), layers=[stage["layers"][0], theirs.get("layers", [0, 0])[1]])
             stage["max_step_tokens"] = min(stage["max_step_tokens"], theirs.get("max_step_tokens", 1 << 30))
             stage["eog_tokens"] = theirs.get("eog_tokens", stage["eog_tokens"])
-            self._send(peer, wire.encode({"op": "opened", "rid": req.rid, "session": req.session,
-                                          "kv_reserved": local.kv_reserved, "stage": stage}))  # fmt: skip
+        header = {"op": "opened", "rid": req.rid, "session": req.session, "kv_reserved": result.kv_reserved,
+                  "stage": stage}  # fmt: skip
+        self._deliver(peer, req.session, wire.encode(header))
 
-        self.downstream.forward(header, [], on_reply)
+    def _start_step(self, peer: bytes, req: wire.Step) -> None:
+        """Refuse at once what needs no engine; otherwise the step is in flight until answered."""
+        stage, key = self.stage, (peer, req.session)
+        if req.input == "tokens" and not stage.first:
+            self._error(peer, req.rid, ErrorCode.WRONG_STAGE, f"this stage (layers {stage.layers}) takes hidden input")
+            return
+        if req.input == "hidden" and stage.first:
+            self._error(peer, req.rid, ErrorCode.WRONG_STAGE, "this is a first stage: it takes token input")
+            return
+        if self.next is None and (req.out == "hidden") == stage.last:
+            want = "'token' or 'logits'" if stage.last else "'hidden'"
+            self._error(peer, req.rid, ErrorCode.WRONG_STAGE, f"this stage (layers {stage.layers}) gives out={want}")
+            return
+        if self.in_flight[key] and self.engine.max_tokens_of(peer, req.session) is not None:
+            self._error(peer, req.rid, ErrorCode.BUSY, "the session already has a step in flight", self._retry_ms())
+            return
+        if self._spawn(peer, req.rid, self._step, req, on_exit=lambda: self._step_done(key)):
+            self.in_flight[key] += 1
 
-    def _step(self, peer: bytes, req: wire.Step) -> None:
-        info = self.info
-        if req.input == "tokens" and not info.first:
-            self._error(peer, req.rid, "wrong_stage", f"this stage (layers {info.layers}) takes hidden input")
-            return
-        if req.input == "hidden" and info.first:
-            self._error(peer, req.rid, "wrong_stage", "this is a first stage: it takes token input")
-            return
-        chain_end_here = self.downstream is None
-        if chain_end_here and (req.out == "hidden") == info.last:
-            want = "'token' or 'logits'" if info.last else "'hidden'"
-            self._error(peer, req.rid, "wrong_stage", f"this stage (layers {info.layers}) gives out={want}")
-            return
-        if (peer, req.session) in self.forwarding:
-            retry = self.engine.scheduler.busy_retry_ms()
-            self._error(peer, req.rid, "busy", "the session's previous step is still in the next stage", retry)
-            return
-        local_out = _OUT[req.out] if chain_end_here else Output.HIDDEN
+    def _step_done(self, key: tuple[bytes, str]) -> None:
+        self.in_flight[key] -= 1
+        if not self.in_flight[key]:
+            del self.in_flight[key]
+
+    async def _step(self, peer: bytes, req: wire.Step) -> None:
+        local_out = _OUT[req.out] if self.next is None else Output.HIDDEN
         request = StepRequest(peer, req.session, req.pos, local_out, tokens=req.tokens, hidden=req.hidden)
-
-        def on_result(result: Result) -> bool:
-            if isinstance(result, Failure):
-                self._failure(peer, req.rid, result)
-                return True  # nothing was created for this requester: nothing to free
-            assert isinstance(result, StepDone)
-            if self.downstream is not None:
-                self.forwarding.add((peer, req.session))
-                self._forward_step(peer, req, result)
-                return True
-            return self._send(peer, self._result_frames(req, result))
-
-        self._submit(peer, req.rid, request, on_result)
+        result = await self.engine.request(request)
+        if isinstance(result, Failure):
+            self._failure(peer, req.rid, result)
+            return
+        assert isinstance(result, StepDone)
+        if self.next is None:
+            self._deliver(peer, req.session, self._result_frames(req, result))
+            return
+        reply = await self._forward_step(peer, req, result)
+        if reply is not None and reply[0].get("op") == "result":
+            header, frames = reply
+            self._deliver(peer, req.session, wire.encode({**header, "rid": req.rid, "session": req.session}, *frames))
+            return
+        # The next stage did not take the step: undo it here, then tell the requester.
+        await self.engine.cleanup(Rollback(peer, req.session, req.pos))
+        if reply is None:
+            self._error(peer, req.rid, ErrorCode.DOWNSTREAM, "the next stage failed or did not answer; rolled back")
+        elif reply[0].get("code") == ErrorCode.UNKNOWN_SESSION:
+            self._error(peer, req.rid, ErrorCode.DOWNSTREAM,
+                        "the next stage lost this session (restarted?); resend from pos 0")  # fmt: skip
+        else:
+            self._next_stage_error(peer, req.rid, reply[0])
 
     @staticmethod
     def _result_frames(req: wire.Step, result: StepDone) -> list[bytes]:
@@ -260,71 +339,39 @@ class Node:
             return wire.encode(header, np.asarray(result.logits, "<f4").tobytes())
         return wire.encode(header, np.array([result.token], "<i4").tobytes())
 
-    def _forward_step(self, peer: bytes, req: wire.Step, local: StepDone, reopened: bool = False) -> None:
-        assert self.downstream is not None and local.hidden is not None
+    async def _forward_step(self, peer: bytes, req: wire.Step, local: StepDone) -> Reply | None:
+        """The next stage's reply to this step. If it lost the session (it restarted) and the
+        step starts at 0, the session is opened there again and the step resent, once."""
+        assert self.next is not None and local.hidden is not None
         fwd = forwarded_session(peer, req.session)
         header = {"op": "step", "session": fwd, "pos": req.pos, "n": req.n, "input": "hidden", "dtype": "f32",
                   "out": req.out, "out_dtype": req.out_dtype}  # fmt: skip
         payload = [wire.hidden_frame(local.hidden, "f32")]
+        reply = await self.next.request(header, payload)
+        if reply is None or reply[0].get("code") != ErrorCode.UNKNOWN_SESSION or req.pos != 0:
+            return reply
+        max_tokens = self.engine.max_tokens_of(peer, req.session) or req.pos + req.n
+        opened = await self.next.request({"op": "open", "session": fwd, "max_tokens": max_tokens})
+        if opened is None or not (opened[0].get("op") == "opened" or opened[0].get("code") == ErrorCode.SESSION_EXISTS):
+            return None
+        return await self.next.request(header, payload)
 
-        def on_reply(reply: dict[str, Any] | None, frames: list[bytes]) -> None:
-            if reply is not None and reply.get("code") == "unknown_session" and req.pos == 0 and not reopened:
-                self._reopen_and_retry(peer, req, local)
-                return
-            self.forwarding.discard((peer, req.session))
-            if reply is not None and reply.get("op") == "result":
-                self._send(peer, wire.encode({**reply, "rid": req.rid, "session": req.session}, *frames))
-                return
-            # The next stage did not take the step: undo it here so the session is as before.
-            self.engine.submit(Rollback(peer, req.session, req.pos), lambda _r: True)
-            if reply is None:
-                self._error(peer, req.rid, "downstream", "the next stage failed or did not answer; rolled back")
-            elif reply.get("code") == "unknown_session":
-                self._error(peer, req.rid, "downstream",
-                            "the next stage lost this session (restarted?); resend from pos 0")  # fmt: skip
-            else:
-                self._error(peer, req.rid, str(reply.get("code", "downstream")), str(reply.get("message", "")),
-                            reply.get("retry_after_ms"))  # fmt: skip
-
-        self.downstream.forward(header, payload, on_reply)
-
-    def _reopen_and_retry(self, peer: bytes, req: wire.Step, local: StepDone) -> None:
-        """The next stage lost the session (it restarted): open it there again and resend."""
-        assert self.downstream is not None
-        session = self.engine.scheduler.sessions.get((peer, req.session))
-        max_tokens = session.max_tokens if session is not None else req.pos + req.n
-        header = {"op": "open", "session": forwarded_session(peer, req.session), "max_tokens": max_tokens}
-
-        def on_open(reply: dict[str, Any] | None, _frames: list[bytes]) -> None:
-            ok = reply is not None and (reply.get("op") == "opened" or reply.get("code") == "session_exists")
-            if ok:
-                self._forward_step(peer, req, local, reopened=True)
-                return
-            self.forwarding.discard((peer, req.session))
-            self.engine.submit(Rollback(peer, req.session, req.pos), lambda _r: True)
-            self._error(peer, req.rid, "downstream", "the next stage could not reopen the session; rolled back")
-
-        self.downstream.forward(header, [], on_open)
-
-    def _close(self, peer: bytes, req: wire.Close) -> None:
-        def on_result(result: Result) -> bool:
-            if isinstance(result, Failure):
-                self._failure(peer, req.rid, result)
-                return True  # nothing was created for this requester: nothing to free
-            assert isinstance(result, Closed)
-            if self.downstream is not None and result.existed:
-                close = {"op": "close", "session": forwarded_session(peer, req.session)}
-                self.downstream.forward(close, [], lambda _h, _p: None)
-            header = {"op": "closed", "rid": req.rid, "session": req.session, "existed": result.existed}
-            return self._send(peer, wire.encode(header))
-
-        self._submit(peer, req.rid, CloseRequest(peer, req.session), on_result)
+    async def _close(self, peer: bytes, req: wire.Close) -> None:
+        result = await self.engine.request(CloseRequest(peer, req.session))
+        if isinstance(result, Failure):
+            self._failure(peer, req.rid, result)
+            return
+        assert isinstance(result, Closed)
+        header = {"op": "closed", "rid": req.rid, "session": req.session, "existed": result.existed}
+        self._send(peer, wire.encode(header))
+        if self.next is not None and result.existed:
+            # Idempotent there too; a next stage that does not answer is counted and logged.
+            await self.next.request({"op": "close", "session": forwarded_session(peer, req.session)})
 
     def _peer_gone(self, peer: bytes) -> None:
         self.peers_gone += 1
-        self.forwarding = {key for key in self.forwarding if key[0] != peer}
         log.info("peer %s is gone: freeing its sessions", peer.hex())
-        self.engine.submit(DropOwner(peer), lambda _r: True)
+        self.engine.cleanup_nowait(DropOwner(peer))
 
 
 @asynccontextmanager
@@ -336,16 +383,14 @@ async def open_node(config: NodeConfig) -> AsyncIterator[Node]:
             node = Node(config, engine, ctx)
             try:
                 async with trio.open_nursery() as nursery:
-                    await nursery.start(node.pump.run)
-                    if node.downstream is not None:
-                        await nursery.start(node.downstream.run)
+                    await nursery.start(node.run)
                     if config.metrics_port is not None:
                         from neuron_tai.metrics import serve_metrics  # noqa: PLC0415 - only when asked for
 
                         await nursery.start(serve_metrics, node, config.metrics_port)
                     log.info(
-                        "serving %s layers %d-%d (%s%s) on %s%s", engine.info.model, *engine.info.layers,
-                        "first " if engine.info.first else "", "last" if engine.info.last else "stage",
+                        "serving %s layers %d-%d (%s%s) on %s%s", node.stage.model, *node.stage.layers,
+                        "first " if node.stage.first else "", "last" if node.stage.last else "stage",
                         node.address, f", next stage {config.next}" if config.next else "",
                     )  # fmt: skip
                     try:
@@ -354,13 +399,14 @@ async def open_node(config: NodeConfig) -> AsyncIterator[Node]:
                         engine.begin_shutdown()
                         with trio.move_on_after(config.drain_timeout_s):
                             await engine.stopped.wait()
+                            await node.handlers_idle.wait()  # the last replies, relayed from the next stage too
                         with trio.move_on_after(1.0):  # let the pump deliver the last replies
                             while node.pump.queued:
                                 await trio.sleep(0.01)
                         nursery.cancel_scope.cancel()
             finally:  # the tasks that owned the sockets have ended
                 node.sock.close()
-                if node.downstream is not None:
-                    node.downstream.close()
+                if node.next is not None:
+                    node.next.close()
     finally:
         ctx.term()

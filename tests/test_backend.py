@@ -14,17 +14,16 @@ from engine.backend import (
     ContextConfig,
     DecodeFailed,
     DecodeOutcome,
-    Output,
-    Refusal,
-    Refused,
     Segment,
     StageBackend,
 )
 from engine.llama_handles import LlamaModel, capture_llama_log
 from engine.local_chain import LocalChain
+from engine.messages import Output, Refused
 from engine.sampling import SamplingParams
 from neuron_tai.shard import write_stages
 from neuron_tai.testmodel import TinySpec, write_tiny_model
+from protocol.errors import ErrorCode
 from tests.conftest import CONFIG, OpenBackend
 
 
@@ -189,24 +188,24 @@ def test_seeded_sampling_is_reproducible_and_retry_safe(tiny_model: Path, open_b
 @pytest.mark.parametrize(
     ("make_segment", "reason"),
     [
-        (lambda seq: Segment(seq, 3, tokens=np.array([5], np.int32), output=Output.LOGITS), Refusal.POSITION),
-        (lambda seq: Segment(seq + 5, 0, tokens=np.array([5], np.int32)), Refusal.UNKNOWN_SEQUENCE),
-        (lambda seq: Segment(seq, 0, tokens=np.array([5, 268], np.int32)), Refusal.BAD_INPUT),
-        (lambda seq: Segment(seq, 0, tokens=np.array([-1], np.int32)), Refusal.BAD_INPUT),
-        (lambda seq: Segment(seq, 0, hidden=np.zeros((1, 64), np.float32)), Refusal.WRONG_STAGE),
-        (lambda seq: Segment(seq, 0, tokens=np.array([5], np.int32), output=Output.HIDDEN), Refusal.WRONG_STAGE),
-        (lambda seq: Segment(seq, 0, tokens=np.zeros(65, np.int32)), Refusal.TOO_LARGE),
-        (lambda seq: Segment(seq, 0, tokens=np.zeros(0, np.int32)), Refusal.BAD_INPUT),
+        (lambda seq: Segment(seq, 3, tokens=np.array([5], np.int32), output=Output.LOGITS), ErrorCode.POSITION),
+        (lambda seq: Segment(seq + 5, 0, tokens=np.array([5], np.int32)), ErrorCode.UNKNOWN_SESSION),
+        (lambda seq: Segment(seq, 0, tokens=np.array([5, 268], np.int32)), ErrorCode.BAD_REQUEST),
+        (lambda seq: Segment(seq, 0, tokens=np.array([-1], np.int32)), ErrorCode.BAD_REQUEST),
+        (lambda seq: Segment(seq, 0, hidden=np.zeros((1, 64), np.float32)), ErrorCode.WRONG_STAGE),
+        (lambda seq: Segment(seq, 0, tokens=np.array([5], np.int32), output=Output.HIDDEN), ErrorCode.WRONG_STAGE),
+        (lambda seq: Segment(seq, 0, tokens=np.zeros(65, np.int32)), ErrorCode.TOO_LARGE),
+        (lambda seq: Segment(seq, 0, tokens=np.zeros(0, np.int32)), ErrorCode.BAD_REQUEST),
     ],
 )
 def test_malformed_segments_are_refused_before_llama_cpp(
-    tiny_model: Path, open_backend: OpenBackend, make_segment: Any, reason: Refusal
+    tiny_model: Path, open_backend: OpenBackend, make_segment: Any, reason: ErrorCode
 ) -> None:
     backend: StageBackend = open_backend(tiny_model)
     seq = backend.open_sequence()
     with pytest.raises(Refused) as info:
         backend.decode([make_segment(seq)])
-    assert info.value.reason is reason
+    assert info.value.code is reason
     assert str(info.value)
     assert backend.length(seq) == 0
 
@@ -214,19 +213,19 @@ def test_malformed_segments_are_refused_before_llama_cpp(
 @pytest.mark.parametrize(
     ("hidden", "reason"),
     [
-        (np.zeros((2, 63), np.float32), Refusal.BAD_INPUT),
-        (np.full((2, 64), np.nan, np.float32), Refusal.BAD_INPUT),
-        (np.full((1, 64), np.inf, np.float32), Refusal.BAD_INPUT),
+        (np.zeros((2, 63), np.float32), ErrorCode.BAD_REQUEST),
+        (np.full((2, 64), np.nan, np.float32), ErrorCode.BAD_REQUEST),
+        (np.full((1, 64), np.inf, np.float32), ErrorCode.BAD_REQUEST),
     ],
 )
 def test_bad_hidden_input_is_refused(
-    tiny_shards2: list[Path], open_backend: OpenBackend, hidden: Any, reason: Refusal
+    tiny_shards2: list[Path], open_backend: OpenBackend, hidden: Any, reason: ErrorCode
 ) -> None:
     backend: StageBackend = open_backend(tiny_shards2[1])
     seq = backend.open_sequence()
     with pytest.raises(Refused) as info:
         backend.decode([Segment(seq, 0, hidden=hidden, output=Output.LOGITS)])
-    assert info.value.reason is reason
+    assert info.value.code is reason
     assert backend.length(seq) == 0
 
 
@@ -272,7 +271,7 @@ def test_sequences_are_limited_and_reusable(tiny_model: Path, open_backend: Open
     a, b = backend.open_sequence(), backend.open_sequence()
     with pytest.raises(Refused) as info:
         backend.open_sequence()
-    assert info.value.reason is Refusal.NO_SLOT
+    assert info.value.code is ErrorCode.SESSION_LIMIT
     backend.decode([Segment(a, 0, tokens=np.array([1, 5, 6], np.int32))])
     backend.close_sequence(a)
     backend.close_sequence(a)  # closing twice is harmless
@@ -296,7 +295,7 @@ def test_sliding_window_rewind_is_refused_when_the_window_has_moved(
     assert backend.ctx.seq_pos_min(seq) > 40
     with pytest.raises(Refused) as info:
         backend.rewind(seq, 40)
-    assert info.value.reason is Refusal.POSITION and "sliding-window" in str(info.value)
+    assert info.value.code is ErrorCode.POSITION and "sliding-window" in str(info.value)
     assert backend.length(seq) == 400
     backend.rewind(seq, 399)  # the window still covers a one-token retry
     backend.rewind(seq, 0)  # dropping everything is always possible

@@ -10,10 +10,21 @@ import numpy as np
 import pytest
 import trio
 
-from engine.backend import ContextConfig, Output, StageBackend
+from engine.backend import ContextConfig, StageBackend
 from engine.budgets import BudgetError, Limits
 from engine.engine import Engine, EngineConfig, open_engine
-from engine.messages import CloseRequest, DropOwner, Failure, Opened, OpenRequest, Result, StepDone, StepRequest
+from engine.messages import (
+    CloseRequest,
+    DropOwner,
+    Failure,
+    Opened,
+    OpenRequest,
+    Output,
+    Result,
+    Rollback,
+    StepDone,
+    StepRequest,
+)
 from engine.sampling import SamplingParams
 
 
@@ -113,25 +124,21 @@ async def test_flood_gets_busy_and_stays_bounded(tiny_model: Path) -> None:
         for i in range(8):
             assert isinstance(await engine.request(OpenRequest("c", f"s{i}", 200)), Opened)
         replies: list[Result] = []
-        immediate: list[Failure] = []
 
-        def collect(result: Result) -> bool:
-            replies.append(result)
-            return True
+        async def ask(step: StepRequest) -> None:
+            replies.append(await engine.request(step))
 
-        for round_ in range(40):
-            for i in range(8):
-                step = StepRequest("c", f"s{i}", 0, Output.TOKEN, tokens=tokens(prompt(round_ + i, 20)))
-                refused = engine.submit(step, collect)
-                if refused is not None:
-                    immediate.append(refused)
-            stats = engine.stats()
-            assert stats["queue_bytes"] <= cfg.queue_budget_bytes
-            assert engine._inbox.statistics().current_buffer_used <= cfg.inbox_size
-            await trio.sleep(0)
-        while len(replies) + len(immediate) < 320:
-            await trio.sleep(0.01)
-        busy = [f for f in [*immediate, *replies] if isinstance(f, Failure) and f.code == "busy"]
+        async with trio.open_nursery() as nursery:
+            for round_ in range(40):
+                for i in range(8):
+                    step = StepRequest("c", f"s{i}", 0, Output.TOKEN, tokens=tokens(prompt(round_ + i, 20)))
+                    nursery.start_soon(ask, step)
+                stats = engine.stats()
+                assert stats["queue_bytes"] <= cfg.queue_budget_bytes
+                assert engine._inbox.statistics().current_buffer_used <= cfg.inbox_size
+                await trio.sleep(0)
+        immediate = [r for r in replies if isinstance(r, Failure) and "inbox is full" in r.message]
+        busy = [f for f in replies if isinstance(f, Failure) and f.code == "busy"]
         done = [r for r in replies if isinstance(r, StepDone)]
         assert immediate and all(f.code == "busy" and f.retry_after_ms for f in immediate)
         assert busy and done
@@ -195,8 +202,8 @@ async def test_sessions_belong_to_their_owner_and_drop_owner_frees_them(tiny_mod
         closed = await engine.request(CloseRequest("bob", "s"))
         assert closed.existed is False  # type: ignore[union-attr]
         assert isinstance(await engine.request(OpenRequest("bob", "s", 50)), Opened)  # same id, other owner
-        engine.submit(DropOwner("alice"), lambda r: True)
-        await trio.sleep(0.01)
+        assert engine.stats()["sessions_active"] == 2
+        await engine.cleanup(DropOwner("alice"))
         assert engine.stats()["sessions_active"] == 1
 
 
@@ -228,11 +235,65 @@ async def test_shutdown_drains_in_flight_work_and_refuses_new(tiny_model: Path) 
     results: list[Result] = []
     async with open_engine(config(tiny_model)) as engine:
         await engine.request(OpenRequest("c", "s", 400))
-        engine.submit(StepRequest("c", "s", 0, Output.TOKEN, tokens=tokens(prompt(2, 200))), results.append)  # type: ignore[arg-type]
-        engine.begin_shutdown()
-        refused = await engine.request(OpenRequest("c", "t", 10))
-        assert isinstance(refused, Failure) and refused.code == "shutting_down"
+
+        async def step() -> None:
+            results.append(await engine.request(StepRequest("c", "s", 0, Output.TOKEN, tokens=tokens(prompt(2, 200)))))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(step)
+            while engine.stats()["queue_depth"] == 0:
+                await trio.sleep(0)
+            engine.begin_shutdown()
+            refused = await engine.request(OpenRequest("c", "t", 10))
+            assert isinstance(refused, Failure) and refused.code == "shutting_down"
     assert len(results) == 1 and isinstance(results[0], StepDone)
+
+
+async def test_a_requester_that_stops_waiting_has_its_session_closed(tiny_model: Path) -> None:
+    async with open_engine(config(tiny_model)) as engine:
+        await engine.request(OpenRequest("c", "s", 400))
+        with trio.CancelScope() as scope:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(
+                    engine.request, StepRequest("c", "s", 0, Output.TOKEN, tokens=tokens(prompt(2, 200)))
+                )
+                while engine.stats()["queue_depth"] == 0:
+                    await trio.sleep(0)
+                scope.cancel()  # the step's requester leaves while the step is queued
+        assert scope.cancelled_caught
+        while engine.stats()["queue_depth"]:
+            await trio.sleep(0.01)
+        # The computed step found nobody waiting: the session was freed, not left to the idle timeout.
+        assert engine.stats()["sessions_active"] == 0 and engine.stats()["kv_cells_reserved"] == 0
+
+
+async def test_cleanups_are_taken_when_the_inbox_is_full_and_while_draining(tiny_model: Path) -> None:
+    cfg = config(tiny_model, inbox_size=1)
+    async with open_engine(cfg) as engine:
+        for i in range(3):
+            await engine.request(OpenRequest("c", f"s{i}", 50))
+        first = await engine.request(StepRequest("c", "s0", 0, Output.TOKEN, tokens=tokens([1, 5, 6])))
+        assert isinstance(first, StepDone)
+        refusals: list[Result] = []
+        async with trio.open_nursery() as nursery:
+            for _ in range(6):  # more than the inbox holds: some are refused `busy` at once
+                nursery.start_soon(lambda: _append(refusals, engine.request(OpenRequest("d", "x", 5000))))
+            # ... yet cleanups are taken: two for one session merge into one, the rollback is done.
+            done = engine.cleanup_nowait(Rollback("c", "s0", 1))
+            assert engine.cleanup_nowait(Rollback("c", "s0", 2)) is done
+            engine.cleanup_nowait(CloseRequest("c", "s1"))
+            await done.wait()
+        assert any(isinstance(r, Failure) and "inbox is full" in r.message for r in refusals)
+        gap = await engine.request(StepRequest("c", "s0", 2, Output.TOKEN, tokens=tokens([5])))
+        assert isinstance(gap, Failure) and gap.code == "position"  # rolled back to 1
+        assert engine.stats()["sessions_active"] == 2 and engine.stats()["cleanups_total"] == 3
+        engine.begin_shutdown()
+        await engine.cleanup(DropOwner("c"))
+        assert engine.stats()["sessions_active"] == 0
+
+
+async def _append(into: list[Result], result: Any) -> None:
+    into.append(await result)
 
 
 async def test_sampling_through_the_engine_is_seeded(tiny_model: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -298,17 +299,47 @@ async def test_sessions_are_bound_to_their_connection(tiny_model: Path) -> None:
 
 
 async def test_ping_is_answered_while_the_engine_is_saturated(tiny_model: Path) -> None:
-    async with node_and_client(tiny_model, max_step_tokens=128, max_prefill_tokens=8) as (node, c):
+    """The engine is stuck in a decode and the connection holds its cap of handlers: ping and
+    stats are still answered, and stats show the saturation at that moment."""
+    cfg = NodeConfig(engine_config(tiny_model), bind="tcp://127.0.0.1:0", max_handlers_per_peer=4)
+    async with open_node(cfg) as node, open_client(node.address, timeout_s=30, retries=0) as c:
         for i in range(4):
             await c.open(f"s{i}", 200)
-        async with trio.open_nursery() as nursery:
-            for i in range(4):
-                nursery.start_soon(functools.partial(c.step, f"s{i}", 0, tokens=prompt(i, 100)))
-            await trio.sleep(0)
-            rtts = [await c.ping() for _ in range(5)]
-            assert node.engine.scheduler.pending_steps > 0 or rtts
-        stats = await c.stats()
-        assert stats["decode_tokens_total"] + stats["prefill_tokens_total"] > 0
+        entered, release = threading.Event(), threading.Event()
+        original = node.engine.backend.decode
+
+        def stuck(segments: Any) -> Any:  # runs on the compute thread
+            entered.set()
+            release.wait(60)
+            return original(segments)
+
+        node.engine.backend.decode = stuck  # type: ignore[method-assign]
+        tokens: list[int | None] = []
+
+        async def step(i: int) -> None:
+            tokens.append((await c.step(f"s{i}", 0, tokens=prompt(i, 20))).token)
+
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(step, 0)
+                while not entered.is_set():  # the engine is inside llama_decode, and stays there
+                    await trio.sleep(0.01)
+                for i in range(1, 4):
+                    nursery.start_soon(step, i)
+                while (await c.stats())["handlers_active"] < 4:
+                    await trio.sleep(0.01)
+                with pytest.raises(NodeError) as info:
+                    await c.open("s4", 10)  # a fifth request on this connection: refused at once
+                assert info.value.code == "busy" and info.value.retry_after_ms
+                assert await c.ping() >= 0
+                stats = await c.stats()
+                assert stats["handlers_active"] == 4 and stats["handlers_refused_total"] == 1
+                assert stats["queue_depth"] >= 1 and stats["errors_total"]["busy"] == 1
+                release.set()
+        finally:
+            release.set()
+        assert len(tokens) == 4 and all(t is not None for t in tokens)
+        assert (await c.stats())["handlers_active"] == 0
 
 
 async def test_tokenize_and_detokenize(tiny_model: Path) -> None:

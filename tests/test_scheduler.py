@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.scheduler import Plan, Reason, Rejection, Scheduler, SchedulerConfig, Session, Step, Waiter
+from engine.scheduler import Plan, Rejection, Scheduler, SchedulerConfig, Session, Step, Waiter
+from protocol.errors import ErrorCode
 
 CFG = SchedulerConfig(
     max_sessions=4, kv_cells=256, n_batch=16, max_prefill_tokens=8, max_step_tokens=64, queue_budget_bytes=10_000
@@ -78,17 +79,17 @@ def test_one_step_in_flight_per_session_and_errors_have_reasons() -> None:
     opened(s, "a", max_tokens=10)
     assert isinstance(s.submit("a", 0, 2, 8, 0.0), Step)
     busy = s.submit("a", 2, 1, 4, 0.0)
-    assert isinstance(busy, Rejection) and busy.reason is Reason.BUSY and busy.retry_after_ms
+    assert isinstance(busy, Rejection) and busy.code is ErrorCode.BUSY and busy.retry_after_ms
     run(s, s.plan())  # type: ignore[arg-type]
     cases = {
-        ("b", 0, 1): Reason.UNKNOWN_SESSION,
-        ("a", 3, 1): Reason.POSITION,  # gap
-        ("a", 2, 9): Reason.POSITION,  # past max_tokens
-        ("a", 0, 65): Reason.TOO_LARGE,
+        ("b", 0, 1): ErrorCode.UNKNOWN_SESSION,
+        ("a", 3, 1): ErrorCode.POSITION,  # gap
+        ("a", 2, 9): ErrorCode.POSITION,  # past max_tokens
+        ("a", 0, 65): ErrorCode.TOO_LARGE,
     }
     for (key, pos, n), reason in cases.items():
         r = s.submit(key, pos, n, 4 * n, 0.0)
-        assert isinstance(r, Rejection) and r.reason is reason and r.message
+        assert isinstance(r, Rejection) and r.code is reason and r.message
     assert s.sessions["a"].length == 2
 
 
@@ -98,7 +99,7 @@ def test_queue_budget_refuses_with_busy_and_nothing_queued() -> None:
     opened(s, "b", seq=1)
     assert isinstance(s.submit("a", 0, 20, 80, 0.0), Step)
     r = s.submit("b", 0, 10, 40, 0.0)
-    assert isinstance(r, Rejection) and r.reason is Reason.BUSY and "queue budget" in r.message
+    assert isinstance(r, Rejection) and r.code is ErrorCode.BUSY and "queue budget" in r.message
     assert s.queued_bytes == 80 and s.sessions["b"].step is None
 
 
@@ -122,21 +123,21 @@ def test_admission_waits_in_fifo_then_expires_with_retry_estimate() -> None:
     assert isinstance(s.request_open("b", 10, 100, 0.0), Rejection)  # exists (waiting)
     admitted, expired = s.poll_waiting(60.0)
     assert admitted == [] and [w.key for w, _ in expired] == ["c"]
-    assert expired[0][1].reason is Reason.SESSION_LIMIT and expired[0][1].retry_after_ms
+    assert expired[0][1].code is ErrorCode.SESSION_LIMIT and expired[0][1].retry_after_ms
     s.close("a", 70.0)
     admitted, expired = s.poll_waiting(70.0)
     assert [w.key for w, _ in admitted] == ["b"] and not expired
     no_wait = s.request_open("d", 10, 0, 80.0)
-    assert isinstance(no_wait, Rejection) and no_wait.reason is Reason.SESSION_LIMIT
+    assert isinstance(no_wait, Rejection) and no_wait.code is ErrorCode.SESSION_LIMIT
 
 
 def test_kv_is_reserved_up_front_and_never_overcommitted() -> None:
     s = Scheduler(replace(CFG, kv_cells=100))
     opened(s, "a", max_tokens=60)
     r = s.request_open("b", 50, 0, 0.0)
-    assert isinstance(r, Rejection) and r.reason is Reason.KV_BUDGET and "40 of 100 free" in r.message
+    assert isinstance(r, Rejection) and r.code is ErrorCode.KV_BUDGET and "40 of 100 free" in r.message
     huge = s.request_open("c", 101, 1000, 0.0)
-    assert isinstance(huge, Rejection) and huge.reason is Reason.KV_BUDGET and not s.waiting
+    assert isinstance(huge, Rejection) and huge.code is ErrorCode.KV_BUDGET and not s.waiting
     opened(s, "b", max_tokens=40)
     assert s.kv_reserved == 100
 
@@ -210,7 +211,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         if isinstance(r, Session):
             self.lengths[key] = 0
         elif isinstance(r, Rejection):
-            assert r.reason in (Reason.KV_BUDGET, Reason.SESSION_LIMIT) and r.message
+            assert r.code in (ErrorCode.KV_BUDGET, ErrorCode.SESSION_LIMIT) and r.message
 
     @rule(data=st.data())
     def tick(self, data: st.DataObject) -> None:
@@ -219,7 +220,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         for _, session in admitted:
             self.lengths[session.key] = 0
         for _, why in expired:
-            assert why.reason in (Reason.KV_BUDGET, Reason.SESSION_LIMIT) and why.retry_after_ms
+            assert why.code in (ErrorCode.KV_BUDGET, ErrorCode.SESSION_LIMIT) and why.retry_after_ms
 
     @precondition(lambda self: self.s.sessions)
     @rule(data=st.data())
@@ -235,7 +236,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.plans_since_submit[key] = 0
         else:
             assert isinstance(r, Rejection) and r.message
-            assert r.reason in (Reason.BUSY, Reason.POSITION, Reason.TOO_LARGE)
+            assert r.code in (ErrorCode.BUSY, ErrorCode.POSITION, ErrorCode.TOO_LARGE)
 
     @rule(fail=st.sampled_from([False, False, False, True]))
     def run_one(self, fail: bool) -> None:

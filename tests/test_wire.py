@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from protocol.errors import ErrorCode
 from transport.wire import (
     Close,
     Detokenize,
@@ -98,9 +99,9 @@ def test_bad_requests_are_refused_with_code_and_rid(msg: list[bytes], code: str,
 
 
 def test_replies_encode() -> None:
-    header, payload = decode_reply(encode_error(3, "busy", "full"))
+    header, payload = decode_reply(encode_error(3, ErrorCode.BUSY, "full"))
     assert header == {"v": 1, "op": "error", "rid": 3, "code": "busy", "message": "full", "retry_after_ms": 100}
-    header, _ = decode_reply(encode_error(None, "bad_request", "x"))
+    header, _ = decode_reply(encode_error(None, ErrorCode.BAD_REQUEST, "x"))
     assert header["rid"] is None and "retry_after_ms" not in header
     h = np.ones((2, 3), np.float32)
     header, payload = decode_reply(encode({"op": "result", "rid": 1}, hidden_frame(h, "f16")))

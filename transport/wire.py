@@ -13,6 +13,8 @@ import msgpack
 import numpy as np
 import numpy.typing as npt
 
+from protocol.errors import ErrorCode
+
 VERSION = 1
 MAX_RID = 2**63
 MAX_SESSION_BYTES = 128
@@ -22,7 +24,7 @@ DTYPES: dict[str, type[np.floating[Any]]] = {"f32": np.float32, "f16": np.float1
 class WireError(Exception):
     """A request that cannot be served as sent; becomes an `error` reply."""
 
-    def __init__(self, code: str, message: str, rid: int | None = None) -> None:
+    def __init__(self, code: ErrorCode, message: str, rid: int | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
@@ -97,33 +99,33 @@ Request = Open | Step | Close | Tokenize | Detokenize | Stats | Ping
 def _int(h: dict[str, Any], key: str, rid: int | None, *, lo: int | None = None, default: Any = ...) -> int:
     if key not in h:
         if default is ...:
-            raise WireError("bad_request", f"missing key {key!r}", rid)
+            raise WireError(ErrorCode.BAD_REQUEST, f"missing key {key!r}", rid)
         return int(default)
     v = h[key]
     if not isinstance(v, int) or isinstance(v, bool):
-        raise WireError("bad_request", f"{key!r} must be an integer", rid)
+        raise WireError(ErrorCode.BAD_REQUEST, f"{key!r} must be an integer", rid)
     if lo is not None and v < lo:
-        raise WireError("bad_request", f"{key!r} must be >= {lo}", rid)
+        raise WireError(ErrorCode.BAD_REQUEST, f"{key!r} must be >= {lo}", rid)
     return v
 
 
 def _str(h: dict[str, Any], key: str, rid: int | None, choices: tuple[str, ...] = (), default: Any = ...) -> str:
     if key not in h:
         if default is ...:
-            raise WireError("bad_request", f"missing key {key!r}", rid)
+            raise WireError(ErrorCode.BAD_REQUEST, f"missing key {key!r}", rid)
         return str(default)
     v = h[key]
     if not isinstance(v, str):
-        raise WireError("bad_request", f"{key!r} must be a string", rid)
+        raise WireError(ErrorCode.BAD_REQUEST, f"{key!r} must be a string", rid)
     if choices and v not in choices:
-        raise WireError("bad_request", f"{key!r} must be one of {', '.join(choices)}", rid)
+        raise WireError(ErrorCode.BAD_REQUEST, f"{key!r} must be one of {', '.join(choices)}", rid)
     return v
 
 
 def _session(h: dict[str, Any], rid: int) -> str:
     s = _str(h, "session", rid)
     if not 1 <= len(s.encode("utf-8", "surrogatepass")) <= MAX_SESSION_BYTES:
-        raise WireError("bad_request", "'session' must be 1-128 UTF-8 bytes", rid)
+        raise WireError(ErrorCode.BAD_REQUEST, "'session' must be 1-128 UTF-8 bytes", rid)
     return s
 
 
@@ -136,13 +138,13 @@ def _sampling(h: dict[str, Any], rid: int) -> Sampling:
     if raw is None:
         return Sampling()
     if not isinstance(raw, dict) or not all(isinstance(k, str) for k in raw):
-        raise WireError("bad_request", "'sampling' must be a map", rid)
+        raise WireError(ErrorCode.BAD_REQUEST, "'sampling' must be a map", rid)
     temperature = raw.get("temperature", 0.0)
     if not _number(temperature) or not temperature >= 0:
-        raise WireError("bad_request", "'sampling.temperature' must be a number >= 0", rid)
+        raise WireError(ErrorCode.BAD_REQUEST, "'sampling.temperature' must be a number >= 0", rid)
     top_p = raw.get("top_p", 1.0)
     if not _number(top_p) or not 0 < top_p <= 1:
-        raise WireError("bad_request", "'sampling.top_p' must be in (0, 1]", rid)
+        raise WireError(ErrorCode.BAD_REQUEST, "'sampling.top_p' must be in (0, 1]", rid)
     top_k = _int(raw, "top_k", rid, lo=0, default=0)
     seed = _int(raw, "seed", rid, default=0)
     return Sampling(float(temperature), top_k, float(top_p), seed)
@@ -150,40 +152,42 @@ def _sampling(h: dict[str, Any], rid: int) -> Sampling:
 
 def _one_frame(payload: list[bytes], rid: int) -> bytes:
     if len(payload) != 1:
-        raise WireError("bad_request", f"expected exactly one payload frame, got {len(payload)}", rid)
+        raise WireError(ErrorCode.BAD_REQUEST, f"expected exactly one payload frame, got {len(payload)}", rid)
     return payload[0]
 
 
 def _int32_frame(frame: bytes, n: int | None, rid: int) -> npt.NDArray[np.int32]:
     if len(frame) % 4 or (n is not None and len(frame) != 4 * n):
         want = "a multiple of 4" if n is None else f"{4 * n} (int32[{n}])"
-        raise WireError("bad_request", f"payload is {len(frame)} bytes, expected {want}", rid)
+        raise WireError(ErrorCode.BAD_REQUEST, f"payload is {len(frame)} bytes, expected {want}", rid)
     return np.frombuffer(frame, dtype="<i4").astype(np.int32)
 
 
 def decode_request(frames: list[bytes], n_embd: int) -> Request:
     """A validated request, or WireError. `n_embd` is the stage's hidden width."""
     if not frames:
-        raise WireError("bad_request", "empty message")
+        raise WireError(ErrorCode.BAD_REQUEST, "empty message")
     try:
         header = msgpack.unpackb(frames[0], raw=False, strict_map_key=False)
     except Exception as exc:  # msgpack raises many types for bad bytes
-        raise WireError("bad_request", f"header is not msgpack: {type(exc).__name__}") from None
+        raise WireError(ErrorCode.BAD_REQUEST, f"header is not msgpack: {type(exc).__name__}") from None
     if not isinstance(header, dict) or not all(isinstance(k, str) for k in header):
-        raise WireError("bad_request", "header must be a msgpack map with string keys")
+        raise WireError(ErrorCode.BAD_REQUEST, "header must be a msgpack map with string keys")
     raw_rid = header.get("rid")
     rid = raw_rid if isinstance(raw_rid, int) and not isinstance(raw_rid, bool) and 0 <= raw_rid < MAX_RID else None
     version = header.get("v")
     if not isinstance(version, int) or isinstance(version, bool):
-        raise WireError("bad_request", "missing or mistyped 'v'", rid)
+        raise WireError(ErrorCode.BAD_REQUEST, "missing or mistyped 'v'", rid)
     if version != VERSION:
-        raise WireError("unsupported_version", f"protocol version {version} is not supported (this node speaks 1)", rid)
+        raise WireError(
+            ErrorCode.UNSUPPORTED_VERSION, f"protocol version {version} is not supported (this node speaks 1)", rid
+        )
     if rid is None:
-        raise WireError("bad_request", "'rid' must be an integer in [0, 2**63)")
+        raise WireError(ErrorCode.BAD_REQUEST, "'rid' must be an integer in [0, 2**63)")
     op = header.get("op")
     payload = frames[1:]
     if op in ("open", "close", "tokenize", "stats", "ping") and payload:
-        raise WireError("bad_request", f"{op!r} takes no payload frames", rid)
+        raise WireError(ErrorCode.BAD_REQUEST, f"{op!r} takes no payload frames", rid)
     if op == "ping":
         return Ping(rid)
     if op == "stats":
@@ -198,13 +202,13 @@ def decode_request(frames: list[bytes], n_embd: int) -> Request:
     if op == "tokenize":
         add = header.get("add_special", True)
         if not isinstance(add, bool):
-            raise WireError("bad_request", "'add_special' must be a boolean", rid)
+            raise WireError(ErrorCode.BAD_REQUEST, "'add_special' must be a boolean", rid)
         return Tokenize(rid, _str(header, "text", rid), add)
     if op == "detokenize":
         return Detokenize(rid, _int32_frame(_one_frame(payload, rid), None, rid))
     if op == "step":
         return _step(header, payload, rid, n_embd)
-    raise WireError("bad_request", f"unknown op {op!r}", rid)
+    raise WireError(ErrorCode.BAD_REQUEST, f"unknown op {op!r}", rid)
 
 
 def _step(h: dict[str, Any], payload: list[bytes], rid: int, n_embd: int) -> Step:
@@ -221,7 +225,9 @@ def _step(h: dict[str, Any], payload: list[bytes], rid: int, n_embd: int) -> Ste
     width = np.dtype(DTYPES[dtype]).itemsize
     if len(frame) != n * n_embd * width:
         raise WireError(
-            "bad_request", f"payload is {len(frame)} bytes, expected {dtype}[{n}, {n_embd}] = {n * n_embd * width}", rid
+            ErrorCode.BAD_REQUEST,
+            f"payload is {len(frame)} bytes, expected {dtype}[{n}, {n_embd}] = {n * n_embd * width}",
+            rid,
         )
     hidden = np.frombuffer(frame, dtype=np.dtype(DTYPES[dtype]).newbyteorder("<")).reshape(n, n_embd)
     return Step(rid, session, pos, n, kind, out, out_dtype, hidden=hidden.astype(np.float32))
@@ -234,9 +240,9 @@ def encode(header: dict[str, Any], *payload: bytes) -> list[bytes]:
     return [msgpack.packb({"v": VERSION, **header}, use_bin_type=True), *payload]
 
 
-def encode_error(rid: int | None, code: str, message: str, retry_after_ms: int | None = None) -> list[bytes]:
-    header: dict[str, Any] = {"op": "error", "rid": rid, "code": code, "message": message}
-    if code in ("busy", "kv_budget", "session_limit"):
+def encode_error(rid: int | None, code: ErrorCode, message: str, retry_after_ms: int | None = None) -> list[bytes]:
+    header: dict[str, Any] = {"op": "error", "rid": rid, "code": str(code), "message": message}
+    if code.retryable:
         header["retry_after_ms"] = int(retry_after_ms if retry_after_ms is not None else 100)
     return encode(header)
 

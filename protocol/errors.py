@@ -1,0 +1,46 @@
+"""PROTOCOL.md's error codes: the one vocabulary for every refusal, from scheduler to wire.
+
+This lives in a package of its own because both sides of the dependency rule need it:
+`engine` (scheduler, backend, engine) decides most refusals and `transport` (wire)
+decides the rest, yet `engine` never imports `transport` and `transport` never imports
+`engine`. A leaf package that imports nothing but the standard library keeps that rule
+without a second copy of the codes to drift apart.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class ErrorCode(enum.StrEnum):
+    """An `error` reply's `code`; a StrEnum, so it encodes as the plain string."""
+
+    BAD_REQUEST = "bad_request"
+    UNSUPPORTED_VERSION = "unsupported_version"
+    UNKNOWN_SESSION = "unknown_session"
+    SESSION_EXISTS = "session_exists"
+    POSITION = "position"
+    TOO_LARGE = "too_large"
+    WRONG_STAGE = "wrong_stage"
+    BUSY = "busy"
+    KV_BUDGET = "kv_budget"
+    SESSION_LIMIT = "session_limit"
+    DOWNSTREAM = "downstream"
+    INTERNAL = "internal"
+    SHUTTING_DOWN = "shutting_down"
+
+    @property
+    def retryable(self) -> bool:
+        """Codes whose reply carries `retry_after_ms`."""
+        return self in _RETRYABLE
+
+    @classmethod
+    def parse(cls, value: object) -> ErrorCode:
+        """The code a peer sent; one this node does not know is `downstream` (the peer failed)."""
+        try:
+            return cls(str(value))
+        except ValueError:
+            return cls.DOWNSTREAM
+
+
+_RETRYABLE = frozenset({ErrorCode.BUSY, ErrorCode.KV_BUDGET, ErrorCode.SESSION_LIMIT})

@@ -1,0 +1,78 @@
+"""Requests over one DEALER socket, each matched to its reply by `rid`, each with a timeout.
+
+The core both the client library and a node's link to its next stage are built on.
+One pump task owns the socket; every waiting request holds a one-shot channel keyed
+by the rid it was sent with. A reply nobody waits for any more (timed out, cancelled)
+is dropped. When the pump stops, for whatever reason, every waiting request and every
+later one raises `ClientClosed` at once instead of waiting out its timeout.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import trio
+
+from transport.pump import SocketPump
+from transport.trio_zmq import TrioSocket
+from transport.wire import decode_reply, encode
+
+Reply = tuple[dict[str, Any], list[bytes]]  # header, payload frames
+
+
+class ClientClosed(ConnectionError):
+    """The requester's socket task has stopped: no reply can arrive any more."""
+
+
+class OutboxFull(Exception):
+    """The socket's outbox is full: the request was not sent."""
+
+
+class Requester:
+    def __init__(self, sock: TrioSocket, *, max_outbox: int = 4096) -> None:
+        self.sock = sock
+        self.pump = SocketPump(sock, self._on_message, max_outbox=max_outbox)
+        self._rids = itertools.count(1)
+        self._waiting: dict[int, trio.MemorySendChannel[Reply]] = {}
+        self.closed = False
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Own the socket; when this stops, the waiting requests fail."""
+        try:
+            await self.pump.run(task_status=task_status)
+        finally:
+            self.closed = True
+            for send in self._waiting.values():
+                send.close()
+
+    def _on_message(self, frames: list[bytes]) -> None:
+        try:
+            header, payload = decode_reply(frames)
+        except Exception:  # a broken reply is the peer's fault; there is nothing to match it to
+            return
+        send = self._waiting.pop(header.get("rid", -1), None)
+        if send is not None:
+            send.send_nowait((header, payload))
+
+    async def request(self, header: dict[str, Any], payload: list[bytes], timeout_s: float) -> Reply:
+        """The reply, `error` replies included. TimeoutError, ClientClosed or OutboxFull otherwise."""
+        if self.closed:
+            await trio.lowlevel.checkpoint_if_cancelled()  # a cancelled caller sees Cancelled
+            raise ClientClosed(f"{header.get('op')!r}: the client is closed")
+        rid = next(self._rids)
+        send, recv = trio.open_memory_channel[Reply](1)
+        self._waiting[rid] = send
+        try:
+            if not self.pump.send_nowait(encode({**header, "rid": rid}, *payload)):
+                await trio.lowlevel.checkpoint()
+                raise OutboxFull(f"{header.get('op')!r}: the outbox is full")
+            with trio.move_on_after(timeout_s):
+                try:
+                    return await recv.receive()
+                except trio.EndOfChannel:
+                    await trio.lowlevel.checkpoint_if_cancelled()
+                    raise ClientClosed(f"{header.get('op')!r}: the client closed while waiting") from None
+            raise TimeoutError(f"no reply to {header.get('op')!r} within {timeout_s}s")
+        finally:
+            self._waiting.pop(rid, None)
