@@ -54,7 +54,9 @@ def main() -> int:
             r = trio.run(check, replace(base, kernels=kernels, pad_rows=pad), args.steps)
             results[kernels][str(pad)] = r
             print(f"{kernels:7s} pad {pad:2d}: {r['mismatched_sessions']} of 8 sessions differ {r['first_mismatch']}")
-    smallest = {k: next((int(p) for p, r in v.items() if r["mismatched_sessions"] == 0), None) for k, v in results.items()}
+    smallest = {
+        k: next((int(p) for p, r in v.items() if r["mismatched_sessions"] == 0), None) for k, v in results.items()
+    }
     path = write_evidence(
         "invariance_padding.json", {"steps": args.steps, "smallest_exact_pad": smallest, "results": results}
     )

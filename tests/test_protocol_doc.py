@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 import zmq
 
+from protocol.errors import ErrorCode
 from tests.nodes import NodeProcess, running
 from transport import wire
 
@@ -124,7 +125,7 @@ def test_wire_errors_are_documented_with_their_retry_hint() -> None:
     }
     assert None not in produced and produced <= set(table), produced
     for code, documented in table.items():
-        header, _ = wire.decode_reply(wire.encode_error(1, code, "m", 5))
+        header, _ = wire.decode_reply(wire.encode_error(1, ErrorCode(code), "m", 5))
         assert ("retry_after_ms" in header) == documented, f"{code}: retry_after_ms in the reply vs the doc"
 
 
