@@ -32,6 +32,7 @@ from engine.backend import KV_TYPES, ContextConfig, DecodeFailed, Segment, Segme
 from engine.budgets import BudgetError, Budgets, KvShape, Limits, kv_layout
 from engine.compute_thread import ComputeThread
 from engine.gguf_facts import ModelFacts, read_facts
+from engine.kernels import invariant_pad_rows
 from engine.messages import (
     Cleanup,
     Closed,
@@ -83,7 +84,7 @@ class EngineConfig:
     inbox_size: int = 256
     max_waiting_opens: int = 64
     batch_invariant: bool = False
-    pad_rows: int = 8
+    pad_rows: int | None = None  # batch-invariant padding; None: what the kernel path needs (engine/kernels.py)
     idle_timeout_s: float | None = None
     drain_timeout_s: float = 10.0
     limits: Limits = field(default_factory=Limits)
@@ -200,7 +201,8 @@ class Engine:
         self.compute = compute
         self.backend = backend
         self.info = backend.info
-        pad_reserve = config.pad_rows if config.batch_invariant else 0
+        self.pad_rows = config.pad_rows or invariant_pad_rows(backend.model.kernel_path.value)
+        pad_reserve = self.pad_rows if config.batch_invariant else 0
         invariant_rows = [INVARIANT_MAX_ROWS] if config.batch_invariant else []  # prefill chunks stay below the tile
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -212,7 +214,7 @@ class Engine:
                 queue_budget_bytes=config.queue_budget_bytes,
                 max_waiting_opens=config.max_waiting_opens,
                 batch_invariant=config.batch_invariant,
-                pad_rows=config.pad_rows,
+                pad_rows=self.pad_rows,
             )
         )
         output_rows = config.n_batch if (not self.info.last or config.batch_invariant) else config.max_sessions
@@ -664,6 +666,7 @@ class Engine:
             "kv_budget_bytes": b.kv_bytes,
             "scratch_bytes": b.scratch_bytes,
             "kernel_path": self.backend.model.kernel_path.value,
+            "pad_rows": self.pad_rows if self.config.batch_invariant else 0,
             "weight_buffers": dict(self.backend.model.weight_buffers),
             "step_seconds": t.step_seconds.snapshot(),
             "errors_total": dict(t.errors),

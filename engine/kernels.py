@@ -53,6 +53,19 @@ class KernelPath(enum.StrEnum):
 KERNEL_CHOICES = ("auto", *(p.value for p in KernelPath))
 
 
+# Batch-invariant mode pads decode batches to a multiple of this many rows, per kernel path:
+# the smallest padding whose every batch size gave bit-identical logits to a solo run
+# (bench/invariance_padding.py on gemma-3-270m Q4_K_M, tests/test_engine.py on the tiny
+# Q4_K_M model). Repacked Q4_K runs 1-3 rows through a matrix-vector kernel and 4+ rows in
+# groups of 4 through a matrix-matrix one; the plain kernels switch at 8 rows. AMX is never
+# chosen by default and not measured: 8 as for the others.
+INVARIANT_PAD_ROWS = {"repack": 8, "plain": 8, "amx": 8}
+
+
+def invariant_pad_rows(path: str) -> int:
+    return INVARIANT_PAD_ROWS[path]
+
+
 class KernelChoiceError(ValueError):
     """The requested path is not available in this llama.cpp library."""
 

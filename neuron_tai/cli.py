@@ -230,7 +230,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--kv-budget", type=_bytes, help="refuse to start if the KV cache needs more")
     serve.add_argument("--scratch-budget", type=_bytes, help="refuse to start if compute buffers need more")
     serve.add_argument("--batch-invariant", action="store_true", help="pad decode batches: load-independent outputs")
-    serve.add_argument("--pad-rows", type=int, default=8, help="decode rows are padded to a multiple of this")
+    serve.add_argument(
+        "--pad-rows",
+        type=int,
+        default=None,
+        help="batch-invariant mode pads decode rows to a multiple of this (default: what the kernel path needs)",
+    )
     serve.add_argument(
         "--linger-ms",
         type=float,

@@ -13,6 +13,7 @@ import trio
 from engine.backend import ContextConfig, StageBackend
 from engine.budgets import BudgetError, Limits
 from engine.engine import Engine, EngineConfig, open_engine
+from engine.kernels import INVARIANT_PAD_ROWS
 from engine.messages import (
     CloseRequest,
     DropOwner,
@@ -350,9 +351,10 @@ Traces = dict[str, list[np.ndarray]]
 
 async def invariant_traces(
     model: Path,
-    pad_rows: int,
+    pad_rows: int | None,
     partners: int,
     *,
+    kernels: str = "auto",
     max_prefill: int = 16,
     mine_len: int = 37,
     partner_len: int = 5,
@@ -363,7 +365,7 @@ async def invariant_traces(
     # in the shared cache does not change its sums (the non-FA softmax sums across cells in SIMD
     # groups and differs at 1e-6 with the layout).
     cfg = config(model, batch_invariant=True, pad_rows=pad_rows, max_prefill_tokens=max_prefill, flash_attn=True,
-                 n_batch=n_batch, n_ubatch=min(n_batch, 256))  # fmt: skip
+                 n_batch=n_batch, n_ubatch=min(n_batch, 256), kernels=kernels)  # fmt: skip
 
     async def trace(engine: Engine, name: str, ids: list[int], steps: int = 20) -> list[np.ndarray]:
         await engine.request(OpenRequest("c", name, 200))
@@ -417,6 +419,16 @@ async def test_batch_invariant_mode_is_bit_exact_whatever_else_runs(
     model: str, pad_rows: int, partners: int, request: pytest.FixtureRequest
 ) -> None:
     alone, together = await invariant_traces(request.getfixturevalue(model), pad_rows, partners)
+    assert max_diff(alone, together) == 0.0
+
+
+@pytest.mark.parametrize("kernels", ["auto", "plain"])
+async def test_each_kernel_path_gets_the_padding_it_needs(kernels: str, tiny_quant: Path) -> None:
+    """With no --pad-rows the engine pads for its kernel path (engine/kernels.py INVARIANT_PAD_ROWS)."""
+    async with open_engine(config(tiny_quant, batch_invariant=True, kernels=kernels)) as engine:
+        stats = engine.stats()
+    assert stats["pad_rows"] == INVARIANT_PAD_ROWS[stats["kernel_path"]]
+    alone, together = await invariant_traces(tiny_quant, None, 6, kernels=kernels)
     assert max_diff(alone, together) == 0.0
 
 

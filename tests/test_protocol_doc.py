@@ -32,7 +32,7 @@ from transport import wire
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "PROTOCOL.md"
-PACKAGES = ("engine", "transport", "neuron_tai")
+PACKAGES = ("protocol", "engine", "transport", "neuron_tai")
 EXTENSION_OPS = ("generate", "cancel")
 
 
