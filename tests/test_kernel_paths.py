@@ -10,6 +10,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -56,15 +57,11 @@ CONFIG = ContextConfig(n_seq_max=4, n_ctx=512, n_batch=64, n_ubatch=64, n_thread
 
 
 def decode_logits(model: Path, kernels: str) -> tuple[StageBackend, list[np.ndarray]]:
-    backend = StageBackend(model, ContextConfig(**{**_fields(CONFIG), "kernels": kernels}))
+    backend = StageBackend(model, replace(CONFIG, kernels=kernels))
     seqs = [backend.open_sequence() for _ in range(3)]
     rng = np.random.default_rng(7)
     segs = [Segment(s, 0, tokens=rng.integers(3, 200, 6, dtype=np.int32), output=Output.LOGITS) for s in seqs]
     return backend, [r.logits for r in backend.decode(segs) if r.logits is not None]
-
-
-def _fields(config: ContextConfig) -> dict[str, object]:
-    return {name: getattr(config, name) for name in config.__slots__}  # type: ignore[attr-defined]
 
 
 @pytest.mark.skipif(REPACK_BUFFER not in extra_buffer_types() or not cpu_features().avx2,
@@ -92,4 +89,4 @@ def test_an_f32_model_has_nothing_to_repack(tiny_model: Path) -> None:
 @pytest.mark.skipif(AMX_BUFFER in extra_buffer_types(), reason="this llama.cpp build offers AMX")
 def test_asking_for_amx_where_the_build_has_none_fails_at_start(tiny_quant: Path) -> None:
     with pytest.raises(KernelChoiceError, match="AMX"):
-        StageBackend(tiny_quant, ContextConfig(**{**_fields(CONFIG), "kernels": "amx"}))
+        StageBackend(tiny_quant, replace(CONFIG, kernels="amx"))
