@@ -16,6 +16,7 @@ import llama_cpp as lc
 import numpy as np
 
 from engine.backend import ContextConfig, StageBackend, context_params
+from engine.kernels import cpu_features
 from engine.llama_handles import LlamaModel, ensure_backend
 
 logging.getLogger("llama.cpp").setLevel(logging.ERROR)
@@ -48,16 +49,24 @@ def gemma_path() -> Path:
 
 
 def command_line() -> str:
-    return " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv])
+    """The command as typed from the repository root: `python -m bench.x ...`, no machine paths."""
+    script = Path(sys.argv[0]).resolve()
+    if script.is_relative_to(ROOT) and script.suffix == ".py":
+        head = ["python", "-m", ".".join(script.relative_to(ROOT).with_suffix("").parts)]
+    else:
+        head = ["python", Path(sys.argv[0]).name]
+    return " ".join(shlex.quote(a) for a in [*head, *sys.argv[1:]])
 
 
 def write_evidence(name: str, payload: dict[str, Any]) -> Path:
     EVIDENCE.mkdir(exist_ok=True)
     path = EVIDENCE / name
+    cpu = cpu_features()
     meta = {
         "command": command_line(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, python {platform.python_version()}",
+        "machine": f"{platform.machine()}, {cpu.model}, python {platform.python_version()}",
+        "cpu": cpu.summary(),
         "llama_cpp_python": lc.__version__,
     }
     path.write_text(json.dumps({**meta, **payload}, indent=2) + "\n")

@@ -53,7 +53,10 @@ def main() -> int:
         for pad in pads:
             r = trio.run(check, replace(base, kernels=kernels, pad_rows=pad), args.steps)
             results[kernels][str(pad)] = r
-            print(f"{kernels:7s} pad {pad:2d}: {r['mismatched_sessions']} of 8 sessions differ {r['first_mismatch']}")
+            print(
+                f"{kernels:7s} pad {pad:2d}: {r['mismatched_sessions']} of 8 sessions differ {r['first_mismatch']}",
+                flush=True,
+            )
     smallest = {
         k: next((int(p) for p, r in v.items() if r["mismatched_sessions"] == 0), None) for k, v in results.items()
     }
