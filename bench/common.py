@@ -47,8 +47,21 @@ def gemma_path() -> Path:
     return Path(target)
 
 
+def shown(text: str | Path) -> str:
+    """A path, or text holding paths, as evidence shows it: relative to the repository, or under `~`.
+
+    Evidence is committed and read on other machines: this one's directories mean nothing there.
+    """
+    out = str(text)
+    root = str(ROOT)
+    out = out.replace(root + "/", "").replace(root, ".")
+    return out.replace(str(Path.home()) + "/", "~/")
+
+
 def command_line() -> str:
-    return " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv])
+    """The command as typed (`python -m bench.report quick`), the interpreter by name only."""
+    argv = getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv]
+    return " ".join(shlex.quote(shown(a)) for a in [Path(argv[0]).name, *argv[1:]])
 
 
 def write_evidence(name: str, payload: dict[str, Any]) -> Path:
