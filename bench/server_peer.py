@@ -31,9 +31,11 @@ def kernel_args(placement: Placement) -> list[str]:
 def server_command(
     binary: Path, model: Path, port: int, slots: int, ctx_per_slot: int, threads: int, placement: Placement
 ) -> list[str]:
+    """`-lv 4`: only at trace verbosity does llama-server log where the weights went (`<type> model buffer
+    size`); it adds about 20 lines per request, none per token."""
     return [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
             "-c", str(slots * ctx_per_slot), "-t", str(threads), "-tb", str(threads), "-b", "512", "-ub", "512",
-            "-fa", "on", "--cache-ram", "0", "--no-webui", *kernel_args(placement)]  # fmt: skip
+            "-fa", "on", "--cache-ram", "0", "--no-webui", "-lv", "4", *kernel_args(placement)]  # fmt: skip
 
 
 def weight_buffers(log: Path) -> tuple[KernelPath, dict[str, int]]:
