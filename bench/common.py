@@ -8,9 +8,9 @@ import platform
 import shlex
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import llama_cpp as lc
 import numpy as np
@@ -19,6 +19,8 @@ from engine.backend import ContextConfig, StageBackend, context_params
 from engine.llama_handles import LlamaModel, ensure_backend
 
 logging.getLogger("llama.cpp").setLevel(logging.ERROR)
+
+T = TypeVar("T")
 
 ROOT = Path(__file__).resolve().parent.parent
 EVIDENCE = ROOT / "evidence"
@@ -147,6 +149,13 @@ def table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
 
 def _fmt(v: Any) -> str:
     return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+
+def interleaved(reps: int, sides: Sequence[T]) -> Iterator[tuple[int, T]]:
+    """(repetition, side): every side once per repetition, in alternating order, so none always follows another."""
+    for rep in range(reps):
+        for side in sides if rep % 2 == 0 else sides[::-1]:
+            yield rep, side
 
 
 def best_of(values: Sequence[float]) -> float:

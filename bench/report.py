@@ -29,13 +29,11 @@ from typing import Any
 
 import trio
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from bench import plots, report_markdown
 from bench.admission import burst
 from bench.aggregate import saturation
 from bench.bare_waves import run_waves
-from bench.common import EVIDENCE, WORK, BareLoop, command_line, gemma_path, shown
+from bench.common import EVIDENCE, WORK, BareLoop, command_line, gemma_path, interleaved, shown
 from bench.faults import ENV, Faults
 from bench.faults import SIGNAL as FAULT_SIGNAL
 from bench.interrupts import interrupt_on_signals, run_until_interrupted
@@ -293,24 +291,22 @@ async def sweep(
         for name in due:  # a process no swept system needs crashes as the sweep reaches c
             if not any(name in NEEDS[s] for s in systems):
                 crash(name)
-        for rep in range(plan.reps):
-            order = systems if rep % 2 == 0 else systems[::-1]
-            if c == plan.concurrencies[0] and PYTHON in runs:
-                order = [*order, PYTHON]  # it serves one request at a time whatever the concurrency
-            for system in order:
-                if not procs.alive(NEEDS[system]):
-                    continue
-                sampler.phase = f"{system} c={c}"
-                tag = f"{system.replace(' ', '')}-c{c}-r{rep}"
-                hit = [n for n in due if n in NEEDS[system]]
-                due = [n for n in due if n not in hit]  # a system's process crashes once its run is under way
-                run = partial(runs[system], requests, c, tag, partial(crash_all, hit))
-                got = await while_alive(procs, NEEDS[system], f"{system} c={c}", run)
-                sampler.phase = "idle"
-                if got is None:
-                    say(f"{system} c={c}: stopped, a process it needs crashed")
-                else:
-                    record(result, system, c, rep, *got)
+        # `Llama` serves one request at a time whatever the concurrency: measured once, at the first.
+        sides = [*systems, PYTHON] if c == plan.concurrencies[0] and PYTHON in runs else systems
+        for rep, system in interleaved(plan.reps, sides):
+            if not procs.alive(NEEDS[system]):
+                continue
+            sampler.phase = f"{system} c={c}"
+            tag = f"{system.replace(' ', '')}-c{c}-r{rep}"
+            hit = [n for n in due if n in NEEDS[system]]
+            due = [n for n in due if n not in hit]  # a system's process crashes once its run is under way
+            run = partial(runs[system], requests, c, tag, partial(crash_all, hit))
+            got = await while_alive(procs, NEEDS[system], f"{system} c={c}", run)
+            sampler.phase = "idle"
+            if got is None:
+                say(f"{system} c={c}: stopped, a process it needs crashed")
+            else:
+                record(result, system, c, rep, *got)
     return result
 
 

@@ -375,5 +375,5 @@ def _next_step(r: dict[str, Any]) -> str:
                       "minutes (the test suite runs it).",
                       "- `bench.json` is stable input for comparisons: `runs` rows keyed by system, "
                       "concurrency and repetition; `mismatches` is the count a gate should check.",
-                      "- `python bench/report.py --render-only DIR` redraws the plots and this README from "
+                      "- `python -m bench.report --render-only DIR` redraws the plots and this README from "
                       "DIR/bench.json without rerunning."])  # fmt: skip

@@ -17,7 +17,7 @@ from bench.faults import ENV as CRASH_ENV
 from bench.systems import BARE, CHAIN, NODE, NODE_FAST, PYTHON
 
 ROOT = Path(__file__).resolve().parent.parent
-REPORT = [sys.executable, str(ROOT / "bench" / "report.py"), "quick"]
+REPORT = [sys.executable, "-m", "bench.report", "quick"]
 
 
 def alive(pid: int) -> bool:
