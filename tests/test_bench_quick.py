@@ -60,6 +60,14 @@ def test_quick_bench_reports_every_system_and_proves_sessions_never_mix(tmp_path
     assert report["processes"] and not any(alive(p["pid"]) for p in report["processes"])
     assert "mismatches: 0" in (out / "README.md").read_text()
 
+    for system in (NODE, NODE_FAST, CHAIN, PYTHON, BARE):  # each system's kernel path, read back from it
+        assert report["systems"][system]["kernel_path"] in ("repack", "plain"), report["systems"][system]
+    assert report["cpu"]["model"] and "amx" in report["cpu"] and isinstance(report["extra_buffer_types"], list)
+    readme = (out / "README.md").read_text()
+    assert "## Systems and kernel paths" in readme and "AVX-512" in readme
+    for text in (readme, (out / "bench.json").read_text()):  # evidence names no directory of this machine
+        assert str(ROOT) not in text and str(Path.home()) + "/" not in text
+
 
 def test_bench_reports_a_crashed_node_and_still_writes_the_rest(tmp_path: Path) -> None:
     # chain2-tail segfaults while loading; the prefill-share node is sent SIGSEGV as its c=2 run begins.
