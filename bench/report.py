@@ -6,8 +6,8 @@ serving requests one after another, and the bare llama_decode loop. The same see
 prompts of mixed lengths and token counts go to each at concurrency 1, 2, 4, 8 and 16.
 Then the corruption proof, a burst beyond the node's limits, and the report in
 evidence/DGR-012/ (`quick`: the tiny test model, no peer that needs a build, report under
-.bench/). A node or peer that crashes is reported with its log's last lines and the rest still
-runs. Exits 1 on any crash, bit-exact mismatch or lost session.
+.bench/). A node or llama-server that crashes is reported with its log's last lines and the rest
+still runs. Exits 1 on any crash, bit-exact mismatch or lost session.
 """
 
 from __future__ import annotations
