@@ -26,24 +26,24 @@ bench-setup: setup
 
 # Nodes, chain and peers at concurrency 1-16, corruption proof, burst: evidence/DGR-012 (`quick`: tiny model).
 bench mode="full": bench-setup
-    {{py}} bench/report.py {{mode}}
+    {{py}} -m bench.report {{mode}}
 
 # Backend vs bare llama_decode at 1/2/4/8 sequences, and split exactness (evidence/backend_sweep.json).
 bench-backend: bench-setup
-    {{py}} bench/backend_sweep.py --steps 96 --reps 7
+    {{py}} -m bench.backend_sweep --steps 96 --reps 7
 
 # Engine: throughput, TTFT/ITL, prefill interference, batch-invariant mode (evidence/engine_sweep.json).
 bench-engine: bench-setup
-    {{py}} bench/engine_sweep.py
+    {{py}} -m bench.engine_sweep
 
 # Nodes over ZeroMQ: single node and 2-stage chain vs the engine (evidence/node_sweep.json).
 bench-node: bench-setup
-    {{py}} bench/node_sweep.py
+    {{py}} -m bench.node_sweep
 
 # The three component sweeps; each writes its evidence even when another misses its target.
 bench-sweeps: bench-setup
     status=0; \
-    {{py}} bench/backend_sweep.py --steps 96 --reps 7 || status=1; \
-    {{py}} bench/engine_sweep.py || status=1; \
-    {{py}} bench/node_sweep.py || status=1; \
+    {{py}} -m bench.backend_sweep --steps 96 --reps 7 || status=1; \
+    {{py}} -m bench.engine_sweep || status=1; \
+    {{py}} -m bench.node_sweep || status=1; \
     exit $status

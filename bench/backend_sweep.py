@@ -17,9 +17,18 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.common import WORK, BareLoop, best_of, gemma_path, paired_ratio, prompt_tokens, table, write_evidence
+from bench.common import (
+    WORK,
+    BareLoop,
+    best_of,
+    gemma_path,
+    interleaved,
+    paired_ratio,
+    prompt_tokens,
+    shown,
+    table,
+    write_evidence,
+)
 from engine.backend import ContextConfig, Segment, StageBackend
 from engine.local_chain import LocalChain
 from engine.messages import Output
@@ -96,17 +105,16 @@ def main() -> int:
     for concurrency in (1, 2, 4, 8):
         prompts = prompt_tokens(backend, concurrency)
         bare_runs, backend_runs, outside, same_tokens = [], [], [], True
-        for rep in range(args.reps):
-            # Alternate which runs first so neither side always follows the other.
-            for side in ("bare", "backend") if rep % 2 == 0 else ("backend", "bare"):
-                if side == "bare":
-                    rate, bare_tokens = bare.decode_rate(prompts, args.steps)
-                    bare_runs.append(rate)
-                else:
-                    rate, share, our_tokens = backend_decode_rate(backend, prompts, args.steps)
-                    backend_runs.append(rate)
-                    outside.append(share)
-            same_tokens &= bare_tokens == our_tokens
+        for rep, side in interleaved(args.reps, ("bare", "backend")):
+            if side == "bare":
+                rate, bare_tokens = bare.decode_rate(prompts, args.steps)
+                bare_runs.append(rate)
+            else:
+                rate, share, our_tokens = backend_decode_rate(backend, prompts, args.steps)
+                backend_runs.append(rate)
+                outside.append(share)
+            if side == ("backend", "bare")[rep % 2]:  # the repetition's second side: both sides' tokens are in
+                same_tokens &= bare_tokens == our_tokens
         ours, theirs = round(best_of(backend_runs), 2), round(best_of(bare_runs), 2)
         row: dict[str, Any] = {
             "concurrency": concurrency,
@@ -141,7 +149,7 @@ def main() -> int:
     )
     print()
     print(table(results, COLUMNS))
-    print(f"exact_2stage={exact['exact_2stage']} exact_3stage={exact['exact_3stage']}  -> {path}")
+    print(f"exact_2stage={exact['exact_2stage']} exact_3stage={exact['exact_3stage']}  -> {shown(path)}")
     ok = all(r["ratio"] >= 0.95 for r in results) and exact["exact_2stage"] and exact["exact_3stage"]
     return 0 if ok else 1
 

@@ -8,9 +8,9 @@ import platform
 import shlex
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import llama_cpp as lc
 import numpy as np
@@ -20,6 +20,8 @@ from engine.kernels import cpu_features
 from engine.llama_handles import LlamaModel, ensure_backend
 
 logging.getLogger("llama.cpp").setLevel(logging.ERROR)
+
+T = TypeVar("T")
 
 ROOT = Path(__file__).resolve().parent.parent
 EVIDENCE = ROOT / "evidence"
@@ -48,14 +50,21 @@ def gemma_path() -> Path:
     return Path(target)
 
 
+def shown(text: str | Path) -> str:
+    """A path, or text holding paths, as evidence shows it: relative to the repository, or under `~`.
+
+    Evidence is committed and read on other machines: this one's directories mean nothing there.
+    """
+    out = str(text)
+    root = str(ROOT)
+    out = out.replace(root + "/", "").replace(root, ".")
+    return out.replace(str(Path.home()) + "/", "~/")
+
+
 def command_line() -> str:
-    """The command as typed from the repository root: `python -m bench.x ...`, no machine paths."""
-    script = Path(sys.argv[0]).resolve()
-    if script.is_relative_to(ROOT) and script.suffix == ".py":
-        head = ["python", "-m", ".".join(script.relative_to(ROOT).with_suffix("").parts)]
-    else:
-        head = ["python", Path(sys.argv[0]).name]
-    return " ".join(shlex.quote(a) for a in [*head, *sys.argv[1:]])
+    """The command as typed (`python -m bench.report quick`), the interpreter by name only."""
+    argv = getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv]
+    return " ".join(shlex.quote(shown(a)) for a in [Path(argv[0]).name, *argv[1:]])
 
 
 def write_evidence(name: str, payload: dict[str, Any]) -> Path:
@@ -143,6 +152,13 @@ def table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
 
 def _fmt(v: Any) -> str:
     return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+
+def interleaved(reps: int, sides: Sequence[T]) -> Iterator[tuple[int, T]]:
+    """(repetition, side): every side once per repetition, in alternating order, so none always follows another."""
+    for rep in range(reps):
+        for side in sides if rep % 2 == 0 else sides[::-1]:
+            yield rep, side
 
 
 def best_of(values: Sequence[float]) -> float:

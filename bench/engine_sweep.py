@@ -16,72 +16,86 @@ import functools
 import hashlib
 import sys
 import time
-from dataclasses import dataclass, field, replace
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 import trio
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.common import BareLoop, best_of, gemma_path, paired_ratio, prompt_tokens, table, write_evidence
+from bench.common import (
+    BareLoop,
+    best_of,
+    gemma_path,
+    interleaved,
+    paired_ratio,
+    prompt_tokens,
+    shown,
+    table,
+    write_evidence,
+)
+from bench.latency import Trace, percentile_ms
+from bench.node_driver import generate
+from bench.workload import Request
 from engine.engine import Engine, EngineConfig, open_engine
-from engine.messages import CloseRequest, Opened, OpenRequest, Output, StepDone, StepRequest
+from engine.messages import CloseRequest, Failure, Opened, OpenRequest, Output, StepDone, StepRequest
+from neuron_tai.client import NodeError, StepReply
+
+R = TypeVar("R")
 
 COLUMNS = ["concurrency", "agg_tok_s", "bare_tok_s", "ratio", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
            "batch_occupancy", "kv_pressure_peak"]  # fmt: skip
 
 
+OWNER = "bench"
+
+
 @dataclass(slots=True)
-class Trace:
-    ttft: float = 0.0
-    itl: list[float] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)
-    digests: list[str] = field(default_factory=list)
+class EngineClient:
+    """The engine in process behind the node client's session calls: the same driver measures both."""
+
+    engine: Engine
+
+    async def open(self, session: str, max_tokens: int, *, wait_ms: int = 0) -> dict[str, Any]:
+        return {"kv_reserved": _ok(await self.engine.request(OpenRequest(OWNER, session, max_tokens, wait_ms=wait_ms)),
+                                   Opened).kv_reserved}  # fmt: skip
+
+    async def step(self, session: str, pos: int, *, tokens: list[int], out: str) -> StepReply:
+        request = StepRequest(OWNER, session, pos, Output(out), tokens=np.array(tokens, np.int32))
+        done = _ok(await self.engine.request(request), StepDone)
+        return StepReply({"pos": done.pos, "n": done.n}, token=done.token, logits=done.logits)
+
+    async def close_on_exit(self, session: str) -> None:
+        with trio.CancelScope(shield=True):
+            await self.engine.request(CloseRequest(OWNER, session))
 
 
-async def session(
-    engine: Engine, name: str, ids: list[int], steps: int, *, logits: bool = False, start_delay: float = 0.0
-) -> Trace:
-    await trio.sleep(start_delay)
-    trace = Trace()
-    opened = await engine.request(OpenRequest("bench", name, len(ids) + steps + 1))
-    assert isinstance(opened, Opened), opened
-    out = Output.LOGITS if logits else Output.TOKEN
-    t0 = time.perf_counter()
-    r = await engine.request(StepRequest("bench", name, 0, out, tokens=np.array(ids, np.int32)))
-    last = time.perf_counter()
-    trace.ttft = last - t0
-    for i in range(steps + 1):
-        assert isinstance(r, StepDone), r
-        if logits:
-            assert r.logits is not None
-            trace.digests.append(hashlib.sha1(r.logits.tobytes()).hexdigest())
-            token = int(np.argmax(r.logits))
-        else:
-            assert r.token is not None
-            token = r.token
-        trace.tokens.append(token)
-        if i == steps:
-            break
-        r = await engine.request(StepRequest("bench", name, len(ids) + i, out, tokens=np.array([token], np.int32)))
-        now = time.perf_counter()
-        trace.itl.append(now - last)
-        last = now
-    await engine.request(CloseRequest("bench", name))
-    return trace
+def _ok(result: object, kind: type[R]) -> R:
+    if isinstance(result, Failure):
+        raise NodeError(result.code, result.message, result.retry_after_ms)
+    assert isinstance(result, kind), result
+    return result
 
 
 async def run_sessions(
     engine: Engine, prompts: list[list[int]], steps: int, *, logits: bool = False, delays: list[float] | None = None
-) -> tuple[float, list[Trace], float]:
-    """All sessions at once; returns tok/s over the run, the traces and peak KV pressure."""
-    traces: list[Trace] = [Trace()] * len(prompts)
+) -> tuple[float, list[Trace], float, list[list[str]]]:
+    """All sessions at once, `steps` decode steps each after the prompt.
+
+    Returns tok/s over the run, the traces (in prompt order), peak KV pressure and, with
+    `logits`, each session's digests of its logits step by step.
+    """
+    client = EngineClient(engine)
+    traces: list[Trace] = [Trace(i) for i in range(len(prompts))]
+    digests: list[list[str]] = [[] for _ in prompts]
+
+    def keep(rid: int, _step: int, row: npt.NDArray[np.float32]) -> None:
+        digests[rid].append(hashlib.sha1(row.tobytes()).hexdigest())
 
     async def one(i: int) -> None:
-        delay = delays[i] if delays else 0.0
-        traces[i] = await session(engine, f"s{i}", prompts[i], steps, logits=logits, start_delay=delay)
+        await trio.sleep(delays[i] if delays else 0.0)
+        req = Request(i, tuple(prompts[i]), steps + 1)
+        traces[i] = await generate(client, req, f"s{i}", on_logits=keep if logits else None)
 
     # The engine tracks its own peak: a polling task would wake the event loop during decodes
     # and, on 2 cores, steal time from llama.cpp's threads.
@@ -92,11 +106,11 @@ async def run_sessions(
             nursery.start_soon(one, i)
     elapsed = time.perf_counter() - start
     peak = engine.telemetry.kv_reserved_peak / engine.scheduler.config.kv_cells
-    return sum(len(t.tokens) for t in traces) / elapsed, traces, peak
+    return sum(len(t.tokens) for t in traces) / elapsed, traces, peak, digests
 
 
 def ms(values: list[float], q: float) -> float:
-    return round(float(np.percentile(values, q)) * 1000, 2) if values else 0.0
+    return percentile_ms(values, q) or 0.0
 
 
 async def sweep(args: argparse.Namespace, cfg: EngineConfig) -> dict[str, Any]:
@@ -108,22 +122,21 @@ async def sweep(args: argparse.Namespace, cfg: EngineConfig) -> dict[str, Any]:
         for concurrency in (1, 2, 4, 8):
             prompts = prompt_tokens(engine.backend, concurrency)
             ours, theirs, traces_all, peaks, occ = [], [], [], [], []
-            for rep in range(args.reps):
-                for side in ("bare", "engine") if rep % 2 == 0 else ("engine", "bare"):
-                    if side == "bare":
-                        run = functools.partial(bare.decode_rate, prompts, args.steps, time_prefill=True)
-                        theirs.append((await engine.compute.run(run))[0])
-                        continue
-                    t = engine.telemetry
-                    before = (t.decode_batches_total, t.decode_rows_sum)
-                    rate, traces, peak = await run_sessions(engine, prompts, args.steps)
-                    batches = t.decode_batches_total - before[0]
-                    rows = t.decode_rows_sum - before[1]
-                    ours.append(rate)
-                    traces_all += traces
-                    peaks.append(peak)
-                    occ.append(rows / max(1, batches) / concurrency)
-            itl = [x for t in traces_all for x in t.itl]
+            for _rep, side in interleaved(args.reps, ("bare", "engine")):
+                if side == "bare":
+                    run = functools.partial(bare.decode_rate, prompts, args.steps, time_prefill=True)
+                    theirs.append((await engine.compute.run(run))[0])
+                    continue
+                t = engine.telemetry
+                before = (t.decode_batches_total, t.decode_rows_sum)
+                rate, traces, peak, _ = await run_sessions(engine, prompts, args.steps)
+                batches = t.decode_batches_total - before[0]
+                rows = t.decode_rows_sum - before[1]
+                ours.append(rate)
+                traces_all += traces
+                peaks.append(peak)
+                occ.append(rows / max(1, batches) / concurrency)
+            itl = [x for t in traces_all for x in t.gaps]
             row = {
                 "concurrency": concurrency,
                 "agg_tok_s": round(best_of(ours), 2),
@@ -151,17 +164,17 @@ async def sweep(args: argparse.Namespace, cfg: EngineConfig) -> dict[str, Any]:
 async def measure_interference(engine: Engine, steps: int) -> dict[str, Any]:
     prompts = prompt_tokens(engine.backend, 7)
     long_prompt = (engine.tokenize(" ".join(["The history of the river valley is long and varied."] * 60)))[:512]
-    _, quiet, _ = await run_sessions(engine, prompts, steps)
+    _, quiet, _, _ = await run_sessions(engine, prompts, steps)
     # Same 7 sessions, plus one 512-token prompt arriving once they are decoding.
-    _, noisy, _ = await run_sessions(engine, [*prompts, long_prompt], steps, delays=[0.0] * 7 + [0.3])
-    without = ms([x for t in quiet for x in t.itl], 99)
-    with_ = ms([x for t in noisy[:7] for x in t.itl], 99)
+    _, noisy, _, _ = await run_sessions(engine, [*prompts, long_prompt], steps, delays=[0.0] * 7 + [0.3])
+    without = ms([x for t in quiet for x in t.gaps], 99)
+    with_ = ms([x for t in noisy[:7] for x in t.gaps], 99)
     return {
         "itl_p99_ms_without": without,
         "itl_p99_ms_with": with_,
         "ratio": round(with_ / without, 3),
         "long_prompt_tokens": len(long_prompt),
-        "itl_max_ms_with": ms([x for t in noisy[:7] for x in t.itl], 100),
+        "itl_max_ms_with": ms([x for t in noisy[:7] for x in t.gaps], 100),
     }
 
 
@@ -171,18 +184,16 @@ async def invariant(args: argparse.Namespace, cfg: EngineConfig) -> dict[str, An
         prompts = prompt_tokens(engine.backend, 8)
         solo = []
         for p in prompts:
-            _, traces, _ = await run_sessions(engine, [p], args.steps, logits=True)
-            solo.append(traces[0].digests)
-        _, together, _ = await run_sessions(engine, prompts, args.steps, logits=True)
+            _, _, _, digests = await run_sessions(engine, [p], args.steps, logits=True)
+            solo.append(digests[0])
+        _, _, _, together = await run_sessions(engine, prompts, args.steps, logits=True)
         first_mismatch = {
-            f"s{i}": next(
-                (k for k, (a, b) in enumerate(zip(solo[i], together[i].digests, strict=True)) if a != b), None
-            )
+            f"s{i}": next((k for k, (a, b) in enumerate(zip(solo[i], together[i], strict=True)) if a != b), None)
             for i in range(8)
         }
         mismatched = [k for k, v in first_mismatch.items() if v is not None]
-        rate1, _, _ = await run_sessions(engine, prompts[:1], args.steps)
-        rate8, _, _ = await run_sessions(engine, prompts, args.steps)
+        rate1, _, _, _ = await run_sessions(engine, prompts[:1], args.steps)
+        rate8, _, _, _ = await run_sessions(engine, prompts, args.steps)
     return {
         "invariant_exact": not mismatched,
         "invariant_mismatched_sessions": mismatched,
@@ -219,7 +230,7 @@ def main() -> int:
     print(table(out["results"], COLUMNS))
     print("interference:", out["interference"])
     print("invariant_exact:", out["invariant_exact"], "invariant_tok_s:", out["invariant_tok_s"])
-    print("->", path)
+    print("->", shown(path))
     r8 = next(r for r in out["results"] if r["concurrency"] == 8)
     ok = r8["ratio"] >= 0.9 and out["interference"]["ratio"] <= 2.0 and out["invariant_exact"]
     return 0 if ok else 1

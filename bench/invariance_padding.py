@@ -29,11 +29,11 @@ async def check(cfg: EngineConfig, steps: int) -> dict[str, Any]:
         prompts = prompt_tokens(engine.backend, 8)
         solo = []
         for p in prompts:
-            _, traces, _ = await run_sessions(engine, [p], steps, logits=True)
-            solo.append(traces[0].digests)
+            _, _, _, digests = await run_sessions(engine, [p], steps, logits=True)
+            solo.append(digests[0])
         delays = [0.02 * i * i for i in range(8)]  # arrivals spread out: every batch size from 1 to 8
-        _, together, _ = await run_sessions(engine, prompts, steps, logits=True, delays=delays)
-        first = [next((k for k, (a, b) in enumerate(zip(s, t.digests, strict=True)) if a != b), None)
+        _, _, _, together = await run_sessions(engine, prompts, steps, logits=True, delays=delays)
+        first = [next((k for k, (a, b) in enumerate(zip(s, t, strict=True)) if a != b), None)
                  for s, t in zip(solo, together, strict=True)]  # fmt: skip
         path = engine.stats()["kernel_path"]
     return {"kernel_path": path, "mismatched_sessions": sum(f is not None for f in first), "first_mismatch": first}

@@ -18,6 +18,8 @@ from typing import IO
 
 import llama_cpp as lc
 
+from bench.common import shown
+
 CMAKE_FLAGS = [
     "-DCMAKE_BUILD_TYPE=Release",
     "-DBUILD_SHARED_LIBS=OFF",
@@ -84,5 +86,5 @@ def _vendored_source(root: Path, log: IO[str]) -> Path:
 
 
 def _run(cmd: list[str], log: IO[str]) -> None:
-    print("  $", " ".join(cmd), flush=True)
+    print("  $", shown(" ".join(cmd)), flush=True)
     subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT)

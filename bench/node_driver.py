@@ -1,9 +1,14 @@
-"""Drive a node over ZeroMQ the way an upstream client does: open, prefill, decode, close."""
+"""The bench's one session driver: open, prefill, decode, close, the way an upstream client does.
+
+It drives anything with the node client's session calls (`SessionClient`): a node over
+ZeroMQ (`neuron_tai.client.Client`) or the engine in process (`bench.engine_sweep`).
+"""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -11,7 +16,16 @@ import trio
 
 from bench.latency import Trace
 from bench.workload import Request
-from neuron_tai.client import Client, NodeError, StepReply
+from neuron_tai.client import NodeError, StepReply
+
+
+class SessionClient(Protocol):
+    async def open(self, session: str, max_tokens: int, *, wait_ms: int = 0) -> dict[str, Any]: ...
+
+    async def step(self, session: str, pos: int, *, tokens: list[int], out: str) -> StepReply: ...
+
+    async def close_on_exit(self, session: str) -> None: ...
+
 
 WAIT_MS = 120_000  # opens beyond the node's session limit wait for room rather than fail
 
@@ -28,7 +42,7 @@ LogitsSink = Callable[[int, int, npt.NDArray[np.float32]], None]
 
 
 async def generate(
-    client: Client,
+    client: SessionClient,
     req: Request,
     session: str,
     *,
@@ -71,7 +85,7 @@ async def generate(
 
 
 async def _step(
-    client: Client, session: str, pos: int, tokens: list[int], out: str, busy: list[int] | None
+    client: SessionClient, session: str, pos: int, tokens: list[int], out: str, busy: list[int] | None
 ) -> StepReply:
     while True:
         try:
@@ -84,7 +98,7 @@ async def _step(
 
 
 async def closed_loop(
-    client: Client,
+    client: SessionClient,
     requests: Sequence[Request],
     concurrency: int,
     tag: str,

@@ -14,21 +14,29 @@ import os
 os.environ.setdefault("GOMP_SPINCOUNT", "20000")  # what `neuron-tai serve` uses: the same for the engine here
 
 import argparse
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import trio
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.common import WORK, best_of, gemma_path, paired_ratio, prompt_tokens, table, write_evidence
+from bench.common import (
+    WORK,
+    best_of,
+    gemma_path,
+    interleaved,
+    paired_ratio,
+    prompt_tokens,
+    shown,
+    table,
+    write_evidence,
+)
 from bench.engine_sweep import run_sessions
-from bench.processes import free_ports
+from bench.node_driver import closed_loop
+from bench.processes import free_ports, node_ready, open_processes
+from bench.workload import Request
 from engine.engine import EngineConfig, open_engine
-from neuron_tai.client import Client, open_client
+from neuron_tai.client import open_client
 from neuron_tai.shard import write_stages
 
 COLUMNS = ["setup", "concurrency", "agg_tok_s", "engine_tok_s", "ratio"]
@@ -36,41 +44,17 @@ SERVE = ["--max-sessions", "8", "--kv-cells", "4096", "--n-batch", "512", "--max
          "warning"]  # fmt: skip
 
 
-def start_node(model: Path, threads: int, extra: list[str]) -> tuple[subprocess.Popen[str], str]:
-    address = f"tcp://127.0.0.1:{free_ports(1)[0]}"
-    cmd = [sys.executable, "-m", "neuron_tai.cli", "serve", str(model), "--bind", address, "--threads", str(threads),
-           *SERVE, *extra]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if not line.startswith("ready"):
-        proc.kill()
-        raise RuntimeError(f"node did not start: {cmd}")
-    return proc, address
-
-
-async def client_session(client: Client, name: str, ids: list[int], steps: int) -> int:
-    await client.open(name, len(ids) + steps + 1)
-    r = await client.step(name, 0, tokens=ids)
-    for i in range(steps):
-        assert r.token is not None
-        r = await client.step(name, len(ids) + i, tokens=[r.token])
-    await client.close(name)
-    return steps + 1
+def node_command(model: Path, address: str, threads: int, extra: list[str]) -> list[str]:
+    return [sys.executable, "-m", "neuron_tai.cli", "serve", str(model), "--bind", address, "--threads", str(threads),
+            *SERVE, *extra]  # fmt: skip
 
 
 async def over_zmq(address: str, prompts: list[list[int]], steps: int) -> float:
+    """All sessions at once through the node client; generated tokens per second."""
+    requests = [Request(i, tuple(p), steps + 1) for i, p in enumerate(prompts)]
     async with open_client(address, timeout_s=120) as client:
-        counts: list[int] = []
-
-        async def one(i: int) -> None:
-            counts.append(await client_session(client, f"s{i}", prompts[i], steps))
-
-        start = time.perf_counter()
-        async with trio.open_nursery() as nursery:
-            for i in range(len(prompts)):
-                nursery.start_soon(one, i)
-        return sum(counts) / (time.perf_counter() - start)
+        traces, wall = await closed_loop(client, requests, len(requests), "s")
+    return sum(len(t.tokens) for t in traces) / wall
 
 
 async def sweep(args: argparse.Namespace, model: Path, addresses: dict[str, str]) -> list[dict[str, Any]]:
@@ -80,13 +64,11 @@ async def sweep(args: argparse.Namespace, model: Path, addresses: dict[str, str]
         for concurrency in (1, 2, 4, 8):
             prompts = prompt_tokens(engine.backend, concurrency)
             runs: dict[str, list[float]] = {"engine": [], **{k: [] for k in addresses}}
-            for rep in range(args.reps):
-                order = ["engine", *addresses] if rep % 2 == 0 else [*addresses, "engine"]
-                for setup in order:
-                    if setup == "engine":
-                        runs["engine"].append((await run_sessions(engine, prompts, args.steps))[0])
-                    else:
-                        runs[setup].append(await over_zmq(addresses[setup], prompts, args.steps))
+            for _rep, setup in interleaved(args.reps, ["engine", *addresses]):
+                if setup == "engine":
+                    runs["engine"].append((await run_sessions(engine, prompts, args.steps))[0])
+                else:
+                    runs[setup].append(await over_zmq(addresses[setup], prompts, args.steps))
             for setup in addresses:
                 row = {
                     "setup": setup,
@@ -109,20 +91,14 @@ def main() -> int:
     args = parser.parse_args()
     model = gemma_path()
     shards = write_stages(model, WORK / "shards" / "chain2", [(0, 9), (9, 18)])
-    procs: list[subprocess.Popen[str]] = []
-    try:
-        single, single_addr = start_node(model, 2, [])
-        procs.append(single)
-        tail, tail_addr = start_node(shards[1], 1, [])
-        procs.append(tail)
-        head, head_addr = start_node(shards[0], 1, ["--next", tail_addr])
-        procs.append(head)
-        results = trio.run(sweep, args, model, {"single": single_addr, "chain2": head_addr})
-    finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            proc.wait(30)
+    single, tail, head = (f"tcp://127.0.0.1:{port}" for port in free_ports(3))
+    nodes = [("sweep-single", model, single, 2, []), ("sweep-chain2-tail", shards[1], tail, 1, []),
+             ("sweep-chain2-head", shards[0], head, 1, ["--next", tail])]  # fmt: skip
+    with open_processes(WORK / "logs") as procs:
+        for name, stage, address, threads, extra in nodes:
+            if not procs.start(name, node_command(stage, address, threads, extra), node_ready):
+                raise SystemExit(f"{name} crashed: {procs.crashed[name].reason}; see {procs.crashed[name].log}")
+        results = trio.run(sweep, args, model, {"single": single, "chain2": head})
     path = write_evidence(
         "node_sweep.json",
         {"model": model.name, "steps": args.steps, "reps": args.reps, "chain2_layers": [[0, 9], [9, 18]],
@@ -130,7 +106,7 @@ def main() -> int:
     )  # fmt: skip
     print()
     print(table(results, COLUMNS))
-    print("->", path)
+    print("->", shown(path))
     single8 = next(r for r in results if r["setup"] == "single" and r["concurrency"] == 8)
     return 0 if single8["ratio"] >= 0.9 else 1
 

@@ -1,8 +1,13 @@
-"""Every process the bench starts, and the guarantee that each one is stopped.
+"""Every process the bench starts, the guarantee that each one is stopped, and what crashed.
 
 Children run in their own session (a terminal's Ctrl-C reaches only the bench, which then
 stops them in order) and get SIGTERM from the kernel if the bench itself dies. Their
 output goes to log files under the work directory.
+
+A child that exits on its own (a segfault in llama.cpp's kernels, an assertion, a model it
+cannot load), before it is ready or while the bench runs, is a `Crash`: recorded with the
+last lines of its log so the report can name it, and never a reason to stop the bench.
+`while_alive` runs one part of the bench only as long as the processes it needs are up.
 """
 
 from __future__ import annotations
@@ -14,10 +19,18 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
+
+import trio
+
+from bench.common import shown
 
 PR_SET_PDEATHSIG = 1
+LOG_TAIL_LINES = 30
+T = TypeVar("T")
 
 
 def _die_with_parent() -> None:
@@ -25,18 +38,50 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+@dataclass(frozen=True, slots=True)
+class Crash:
+    """A child that stopped without being asked to."""
+
+    name: str
+    exit_status: int | None  # negative: killed by that signal; None: still running but never ready
+    reason: str
+    log: str  # relative to the repository
+    log_tail: list[str]
+
+
+def describe_status(status: int) -> str:
+    if status < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-status).name}"
+        return f"killed by signal {-status}"
+    return f"exited with status {status}"
+
+
+def log_tail(log: Path, lines: int = LOG_TAIL_LINES) -> list[str]:
+    """The last `lines` lines of a child's log, absolute paths of this machine shortened."""
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return []
+    return [shown(line) for line in text.splitlines()[-lines:]]
+
+
 class Processes:
-    """Start children, wait for them to be ready, stop them all (SIGTERM, then SIGKILL)."""
+    """Start children, wait for them to be ready, notice crashes, stop them all (SIGTERM, then SIGKILL)."""
 
     def __init__(self, log_dir: Path) -> None:
         self.log_dir = log_dir
         self.running: dict[str, subprocess.Popen[bytes]] = {}
-        self.ended: dict[str, tuple[int, int]] = {}  # name -> (pid, exit status) once stopped
+        self.ended: dict[str, tuple[int, int | None]] = {}  # name -> (pid, exit status) once stopped or crashed
+        self.crashed: dict[str, Crash] = {}
 
-    def start(self, name: str, cmd: list[str], ready: Callable[[Path], bool], timeout_s: float = 120.0) -> Path:
-        """Start `cmd`; returns its log once `ready(log)` holds. Raises if it exits or times out first."""
+    def log(self, name: str) -> Path:
+        return self.log_dir / f"{name}.log"
+
+    def start(self, name: str, cmd: list[str], ready: Callable[[Path], bool], timeout_s: float = 120.0) -> bool:
+        """Start `cmd`, wait until `ready(log)` holds; False (a recorded crash) if it exits or times out first."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        log = self.log_dir / f"{name}.log"
+        log = self.log(name)
         with log.open("wb") as out:
             out.write(f"$ {' '.join(cmd)}\n".encode())
             out.flush()
@@ -49,15 +94,42 @@ class Processes:
                 preexec_fn=_die_with_parent,  # noqa: PLW1509
             )
         self.running[name] = proc
-        print(f"{name}: pid {proc.pid}, log {log}", flush=True)
+        print(f"{name}: pid {proc.pid}, log {shown(log)}", flush=True)
         deadline = time.monotonic() + timeout_s
         while not ready(log):
             if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with {proc.returncode} before it was ready; see {log}")
+                self._crashed(name, "before it was ready")
+                return False
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{name} was not ready within {timeout_s:.0f} s; see {log}")
+                self.stop(name)
+                self.crashed[name] = Crash(name, None, f"was not ready within {timeout_s:.0f} s", shown(log),
+                                           log_tail(log))  # fmt: skip
+                print(f"CRASHED: {name} was not ready within {timeout_s:.0f} s", file=sys.stderr, flush=True)
+                return False
             time.sleep(0.05)
-        return log
+        return True
+
+    def check(self, during: str) -> None:
+        """Record every child that has exited on its own since the last look."""
+        for name, proc in list(self.running.items()):
+            if proc.poll() is not None:
+                self._crashed(name, f"during {during}")
+
+    def alive(self, names: Sequence[str]) -> bool:
+        return not any(n in self.crashed for n in names)
+
+    def signal(self, name: str, signum: signal.Signals) -> None:
+        if (proc := self.running.get(name)) is not None:
+            proc.send_signal(signum)
+
+    def _crashed(self, name: str, when: str) -> None:
+        proc = self.running.pop(name)
+        status = proc.wait()
+        self.ended[name] = (proc.pid, status)
+        reason = f"{describe_status(status)} {when}"
+        log = self.log(name)
+        self.crashed[name] = Crash(name, status, reason, shown(log), log_tail(log))
+        print(f"CRASHED: {name} {reason}; log {shown(log)}", file=sys.stderr, flush=True)
 
     def stop(self, name: str) -> int | None:
         proc = self.running.pop(name, None)
@@ -88,6 +160,51 @@ def open_processes(log_dir: Path) -> Iterator[Processes]:
         if procs.running:
             print(f"stopping {', '.join(procs.running)} ...", file=sys.stderr, flush=True)
         procs.stop_all()
+
+
+CRASH_GRACE_S = 5.0  # how long a failed request waits to see whether its server is on the way down
+
+
+async def while_alive(procs: Processes, needs: Sequence[str], during: str, fn: Callable[[], Awaitable[T]]) -> T | None:
+    """`await fn()` while every process in `needs` runs; None once one has crashed (before or meanwhile).
+
+    A request to a dead node would wait out its timeout, so a watcher cancels `fn` as soon
+    as a needed process exits (`fn` must open its clients inside, so cancelling stops them).
+    An error from `fn` counts as the crash when a needed process turns out to have died
+    with it; otherwise it propagates.
+    """
+    procs.check(during)
+    if not procs.alive(needs):
+        return None
+    result: list[T] = []
+    failure: list[Exception] = []
+    async with trio.open_nursery() as nursery:
+
+        async def body() -> None:
+            try:
+                result.append(await fn())
+            except Exception as exc:  # judged below, once it is known whether a process died
+                failure.append(exc)
+            nursery.cancel_scope.cancel()
+
+        async def watch() -> None:
+            while True:
+                procs.check(during)
+                if not procs.alive(needs):
+                    nursery.cancel_scope.cancel()
+                    return
+                await trio.sleep(0.1)
+
+        nursery.start_soon(body)
+        nursery.start_soon(watch)
+    if failure:
+        deadline = trio.current_time() + CRASH_GRACE_S
+        while procs.alive(needs) and trio.current_time() < deadline:
+            await trio.sleep(0.1)
+            procs.check(during)
+        if procs.alive(needs):
+            raise failure[0]
+    return result[0] if result else None
 
 
 def free_ports(n: int) -> list[int]:

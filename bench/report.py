@@ -6,7 +6,8 @@ serving requests one after another, and the bare llama_decode loop. The same see
 prompts of mixed lengths and token counts go to each at concurrency 1, 2, 4, 8 and 16.
 Then the corruption proof, a burst beyond the node's limits, and the report in
 evidence/DGR-012/ (`quick`: the tiny test model, no peer that needs a build, report under
-.bench/). Exits 1 on any bit-exact mismatch or lost session.
+.bench/). A node or llama-server that crashes is reported with its log's last lines and the rest
+still runs. Exits 1 on any crash, bit-exact mismatch or lost session.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -27,29 +29,30 @@ from typing import Any
 
 import trio
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from bench import plots, report_markdown
 from bench.admission import burst
 from bench.aggregate import saturation
 from bench.bare_waves import run_waves
-from bench.common import EVIDENCE, WORK, BareLoop, command_line, gemma_path
+from bench.common import EVIDENCE, WORK, BareLoop, command_line, gemma_path, interleaved, shown
+from bench.faults import ENV, Faults
+from bench.faults import SIGNAL as FAULT_SIGNAL
 from bench.interrupts import interrupt_on_signals, run_until_interrupted
 from bench.latency import Trace, summarize
 from bench.llama_server import cached_binary, ensure_llama_server
 from bench.node_driver import closed_loop
-from bench.processes import Processes, free_ports, node_ready, open_processes
+from bench.processes import Processes, free_ports, node_ready, open_processes, while_alive
 from bench.progress import say
 from bench.proofs import default_mode, invariant_proof
-from bench.python_peer import open_llama, run_serial
+from bench.python_peer import PythonPeer, open_llama, run_serial
 from bench.server_peer import closed_loop as server_loop
-from bench.server_peer import healthy, server_command
+from bench.server_peer import healthy, server_command, weight_buffers
 from bench.stats_sampler import StatsSampler
-from bench.systems import BARE, CHAIN, NODE_FAST, PYTHON, SERVER
+from bench.systems import ALL, BARE, CHAIN, NODE_FAST, PYTHON, SERVER
 from bench.systems import NODE as SINGLE
 from bench.workload import CORPUS, Request, make_requests
 from engine.backend import ContextConfig
 from engine.gguf_facts import read_facts
+from engine.llama_handles import weight_placement
 from neuron_tai.client import open_client
 from neuron_tai.testmodel import write_tiny_model
 
@@ -98,7 +101,7 @@ def shard_in_two(model: Path) -> list[Path]:
     """`neuron-tai shard MODEL --stages 2`, exactly as an operator would run it."""
     out = WORK / "shards" / model.stem
     cmd = [sys.executable, "-m", "neuron_tai.cli", "shard", str(model), "--stages", "2", "-o", str(out)]
-    say("$ neuron-tai shard " + " ".join(cmd[4:]))
+    say("$ neuron-tai shard " + shown(" ".join(cmd[4:])))
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     n = read_facts(model).block_count
     half = round(n / 2)
@@ -108,18 +111,18 @@ def shard_in_two(model: Path) -> list[Path]:
 def llama_server(plan: Plan) -> tuple[Path | None, str]:
     """The cached llama-server; full mode builds it first if needed (once, about 6 minutes on 2 cores)."""
     if not plan.build_server or cached_binary() is not None:
-        return cached_binary(), ""
+        binary = cached_binary()
+        return binary, f"cached {shown(binary)}" if binary else ""
     say("building llama-server from the vendored llama.cpp (once; about 6 minutes on 2 cores) ...")
-    return ensure_llama_server()
+    binary, note = ensure_llama_server()
+    return binary, shown(note)
 
 
-def serve(procs: Processes, name: str, model: Path, port: int, threads: int, extra: list[str]) -> str:
-    address = f"tcp://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "neuron_tai.cli", "serve", str(model), "--bind", address, "--threads", str(threads),
-           "--log-level", "warning", *extra]  # fmt: skip
-    procs.start(name, cmd, node_ready)
-    say(f"started {name}: {address}")
-    return address
+# Which processes each system needs: it is reported crashed once one of them is.
+NEEDS: dict[str, tuple[str, ...]] = {SINGLE: ("single",), NODE_FAST: ("single-prefill-share-4",),
+                                     CHAIN: ("chain2-head", "chain2-tail"), SERVER: ("llama-server",),
+                                     BARE: (), PYTHON: ()}  # fmt: skip
+PROOF_NODES = ("single-invariant", "chain2-invariant-head", "chain2-invariant-tail")
 
 
 @dataclass(slots=True)
@@ -135,18 +138,30 @@ class Nodes:
     server_note: str
 
 
-def start_all(procs: Processes, plan: Plan, model: Path, shards: list[Path], server: tuple[Path | None, str]) -> Nodes:
+def start_all(
+    procs: Processes, plan: Plan, model: Path, shards: list[Path], server: tuple[Path | None, str], faults: Faults
+) -> Nodes:
+    """Start every node and llama-server; one that crashes on the way is recorded in `procs`, not raised."""
     ports = free_ports(9)  # all bound at once: nine distinct ports
+
+    def serve(name: str, path: Path, port: int, threads: int, extra: list[str]) -> str:
+        address = f"tcp://127.0.0.1:{port}"
+        cmd = [sys.executable, "-m", "neuron_tai.cli", "serve", str(path), "--bind", address, "--threads",
+               str(threads), "--log-level", "warning", *extra]  # fmt: skip
+        if procs.start(name, faults.command(name, cmd), node_ready):
+            say(f"started {name}: {address}")
+        return address
+
     limits = ["--max-sessions", str(MAX_SESSIONS), "--max-waiting", str(MAX_SESSIONS), "--kv-cells", str(plan.kv_cells)]
     invariant = ["--batch-invariant"] + (["--flash-attn", "on"] if plan.mode == "quick" else [])
-    single = serve(procs, "single", model, ports[0], 2, limits)
-    single_fast = serve(procs, "single-prefill-share-4", model, ports[8], 2, [*limits, "--prefill-share", "4"])
-    tail = serve(procs, "chain2-tail", shards[1], ports[1], 1, limits)
-    head = serve(procs, "chain2-head", shards[0], ports[2], 1, [*limits, "--next", tail])
-    single_inv = serve(procs, "single-invariant", model, ports[3], 2, [*limits, *invariant])
-    tail_inv = serve(procs, "chain2-invariant-tail", shards[1], ports[4], 1, [*limits, *invariant])
-    head_inv = serve(procs, "chain2-invariant-head", shards[0], ports[5], 1, [*limits, *invariant, "--next", tail_inv])
-    burst_node = serve(procs, "burst", model, ports[6], 2, ["--max-sessions", "4", "--max-waiting", "4",
+    single = serve("single", model, ports[0], 2, limits)
+    single_fast = serve("single-prefill-share-4", model, ports[8], 2, [*limits, "--prefill-share", "4"])
+    tail = serve("chain2-tail", shards[1], ports[1], 1, limits)
+    head = serve("chain2-head", shards[0], ports[2], 1, [*limits, "--next", tail])
+    single_inv = serve("single-invariant", model, ports[3], 2, [*limits, *invariant])
+    tail_inv = serve("chain2-invariant-tail", shards[1], ports[4], 1, [*limits, *invariant])
+    head_inv = serve("chain2-invariant-head", shards[0], ports[5], 1, [*limits, *invariant, "--next", tail_inv])
+    burst_node = serve("burst", model, ports[6], 2, ["--max-sessions", "4", "--max-waiting", "4",
                        "--queue-budget", str(plan.burst_queue_bytes), "--kv-cells", str(plan.kv_cells)])  # fmt: skip
     binary, note = server
     port: int | None = None
@@ -155,11 +170,46 @@ def start_all(procs: Processes, plan: Plan, model: Path, shards: list[Path], ser
         say(f"llama-server: {note}")
     else:
         port = ports[7]
-        cmd = server_command(binary, model, port, MAX_SESSIONS, plan.ctx_per_slot, 2)
-        procs.start("llama-server", cmd, lambda _log: healthy(port))
-        note = note or f"cached {binary}"
-        say(f"started llama-server: http://127.0.0.1:{port} ({note})")
+        cmd = server_command(binary, model, port, MAX_SESSIONS, plan.ctx_per_slot, 2, weight_placement(model))
+        if procs.start("llama-server", faults.command("llama-server", cmd), lambda _log: healthy(port)):
+            say(f"started llama-server: http://127.0.0.1:{port} ({note})")
     return Nodes(single, head, tail, single_fast, single_inv, head_inv, burst_node, port, note)
+
+
+# -- kernel paths ---------------------------------------------------------------------------
+
+
+async def node_weights(address: str) -> dict[str, Any]:
+    async with open_client(address, timeout_s=60) as client:
+        stats = await client.stats()
+    return {"kernel_path": stats.get("kernel_path"), "weight_buffers": stats.get("weight_buffers")}
+
+
+async def kernel_paths(
+    procs: Processes, nodes: Nodes, bare: BareLoop, llm: PythonPeer | None
+) -> dict[str, dict[str, Any]]:
+    """Where each system's weights went: the nodes' `stats`, llama-server's log, llama.cpp's log in-process."""
+    out: dict[str, dict[str, Any]] = {
+        BARE: {"kernel_path": bare.model.kernel_path.value, "weight_buffers": bare.model.weight_buffers}
+    }
+    if llm is not None:
+        out[PYTHON] = {"kernel_path": llm.kernel_path.value, "weight_buffers": llm.weight_buffers}
+    for system, address in ((SINGLE, nodes.single), (NODE_FAST, nodes.single_fast)):
+        if (got := await while_alive(procs, NEEDS[system], "start", partial(node_weights, address))) is not None:
+            out[system] = got
+    head = await while_alive(procs, NEEDS[CHAIN], "start", partial(node_weights, nodes.chain))
+    tail = await while_alive(procs, NEEDS[CHAIN], "start", partial(node_weights, nodes.chain_tail))
+    if head is not None and tail is not None:
+        same = head["kernel_path"] == tail["kernel_path"]
+        path = head["kernel_path"] if same else f"head {head['kernel_path']}, tail {tail['kernel_path']}"
+        out[CHAIN] = {"kernel_path": path, "weight_buffers": {"head": head["weight_buffers"],
+                                                              "tail": tail["weight_buffers"]}}  # fmt: skip
+    if nodes.server_port is not None and procs.alive(NEEDS[SERVER]):
+        path, buffers = weight_buffers(procs.log("llama-server"))
+        out[SERVER] = {"kernel_path": path.value, "weight_buffers": buffers}
+    for system, info in out.items():
+        say(f"kernel path: {system}: {info['kernel_path']}")
+    return out
 
 
 # -- the sweep --------------------------------------------------------------------------
@@ -179,81 +229,139 @@ def record(sweep: Sweep, system: str, c: int, rep: int, traces: list[Trace], wal
         f"ITL p50 {row['itl_p50_ms']} ms p99 {row['itl_p99_ms']} ms")  # fmt: skip
 
 
+# (requests, concurrency, session tag, armed) -> traces, wall time; `armed()` runs just before the
+# first request (where a test's injected crash lands: the run is cut short mid-flight).
+Run = Callable[[list[Request], int, str, Callable[[], None]], Awaitable[tuple[list[Trace], float]]]
+
+
+async def node_run(
+    address: str, requests: list[Request], c: int, tag: str, armed: Callable[[], None]
+) -> tuple[list[Trace], float]:
+    """A client of its own per run: cancelling the run (its node crashed) also stops the client."""
+    async with open_client(address, timeout_s=300) as client:
+        await client.ping()  # connected before the clock starts
+        armed()
+        return await closed_loop(client, requests, c, tag)
+
+
 async def sweep(
-    plan: Plan, model: Path, nodes: Nodes, requests: list[Request], sampler: StatsSampler, bare: BareLoop
+    plan: Plan,
+    nodes: Nodes,
+    requests: list[Request],
+    sampler: StatsSampler,
+    bare: BareLoop,
+    llm: PythonPeer | None,
+    procs: Processes,
+    faults: Faults,
 ) -> Sweep:
     result = Sweep([], {})
-    llm = open_llama(model, plan.ctx_per_slot, 2)
-    try:
-        async with (
-            open_client(nodes.single, timeout_s=300) as single,
-            open_client(nodes.single_fast, timeout_s=300) as single_fast,
-            open_client(nodes.chain, timeout_s=300) as chain,
-        ):
-            systems = [SINGLE, NODE_FAST, CHAIN, *([SERVER] if nodes.server_port else []), BARE]
-            for c in plan.concurrencies:
-                for rep in range(plan.reps):
-                    order = systems if rep % 2 == 0 else systems[::-1]
-                    if c == plan.concurrencies[0]:
-                        order = [*order, PYTHON]  # it serves one request at a time whatever the concurrency
-                    for system in order:
-                        sampler.phase = f"{system} c={c}"
-                        tag = f"{system.replace(' ', '')}-c{c}-r{rep}"
-                        if system == SINGLE:
-                            traces, wall = await closed_loop(single, requests, c, tag)
-                        elif system == NODE_FAST:
-                            traces, wall = await closed_loop(single_fast, requests, c, tag)
-                        elif system == CHAIN:
-                            traces, wall = await closed_loop(chain, requests, c, tag)
-                        elif system == SERVER:
-                            assert nodes.server_port is not None
-                            traces, wall = await trio.to_thread.run_sync(server_loop, nodes.server_port, requests, c)
-                        elif system == BARE:
-                            traces, wall = run_waves(bare, requests, c)
-                        else:
-                            traces, wall = run_serial(llm, requests)
-                        record(result, system, c, rep, traces, wall)
-                        sampler.phase = "idle"
-    finally:
-        llm.close()
+
+    def crash(name: str) -> None:
+        say(f"{ENV}: sending {name} {FAULT_SIGNAL.name}")
+        procs.signal(name, FAULT_SIGNAL)
+
+    def crash_all(names: list[str]) -> None:
+        for name in names:
+            crash(name)
+
+    async def server_run(
+        requests: list[Request], c: int, _tag: str, armed: Callable[[], None]
+    ) -> tuple[list[Trace], float]:
+        assert nodes.server_port is not None
+        armed()
+        loop = partial(server_loop, nodes.server_port, requests, c)
+        return await trio.to_thread.run_sync(loop, abandon_on_cancel=True)  # its threads fail once the server is gone
+
+    async def bare_run(requests: list[Request], c: int, _tag: str, _armed: object) -> tuple[list[Trace], float]:
+        return run_waves(bare, requests, c)
+
+    async def python_run(requests: list[Request], _c: int, _tag: str, _armed: object) -> tuple[list[Trace], float]:
+        assert llm is not None
+        return run_serial(llm.llm, requests)
+
+    runs: dict[str, Run] = {SINGLE: partial(node_run, nodes.single), NODE_FAST: partial(node_run, nodes.single_fast),
+                            CHAIN: partial(node_run, nodes.chain), BARE: bare_run}  # fmt: skip
+    if nodes.server_port is not None:
+        runs[SERVER] = server_run
+    if llm is not None:
+        runs[PYTHON] = python_run
+    systems = [s for s in (SINGLE, NODE_FAST, CHAIN, SERVER, BARE) if s in runs]
+    for c in plan.concurrencies:
+        due = faults.due(c)
+        for name in due:  # a process no swept system needs crashes as the sweep reaches c
+            if not any(name in NEEDS[s] for s in systems):
+                crash(name)
+        # `Llama` serves one request at a time whatever the concurrency: measured once, at the first.
+        sides = [*systems, PYTHON] if c == plan.concurrencies[0] and PYTHON in runs else systems
+        for rep, system in interleaved(plan.reps, sides):
+            if not procs.alive(NEEDS[system]):
+                continue
+            sampler.phase = f"{system} c={c}"
+            tag = f"{system.replace(' ', '')}-c{c}-r{rep}"
+            hit = [n for n in due if n in NEEDS[system]]
+            due = [n for n in due if n not in hit]  # a system's process crashes once its run is under way
+            run = partial(runs[system], requests, c, tag, partial(crash_all, hit))
+            got = await while_alive(procs, NEEDS[system], f"{system} c={c}", run)
+            sampler.phase = "idle"
+            if got is None:
+                say(f"{system} c={c}: stopped, a process it needs crashed")
+            else:
+                record(result, system, c, rep, *got)
     return result
 
 
 # -- main -------------------------------------------------------------------------------
 
 
-async def run(plan: Plan, model: Path, nodes: Nodes) -> dict[str, Any]:
-    async with open_client(nodes.single, timeout_s=60) as client:
-        corpus = await client.tokenize(CORPUS, add_special=False)
-        start = await client.tokenize("", add_special=True)
-        bos = start[0] if start else None
-    requests = make_requests(corpus, plan.requests, plan.max_new, seed=plan.seed, max_prompt=plan.max_prompt, bos=bos)
-    say(f"workload: {len(requests)} requests, prompts {min(len(r.prompt) for r in requests)}-"
-        f"{max(len(r.prompt) for r in requests)} tokens, {plan.max_new} new tokens each, seed {plan.seed}")  # fmt: skip
-    watched = {"single": nodes.single, "chain2-head": nodes.chain, "chain2-tail": nodes.chain_tail}
-    sampler = StatsSampler(watched)
-    primary = requests[:MAX_SESSIONS]
+async def run(plan: Plan, model: Path, nodes: Nodes, procs: Processes, faults: Faults) -> dict[str, Any]:
     bare = BareLoop(model, ContextConfig(n_seq_max=16, n_ctx=16 * plan.ctx_per_slot, n_batch=512, n_ubatch=512,
                                          n_threads=2))  # fmt: skip
+    llm: PythonPeer | None = None
     try:
+        corpus = bare.model.tokenize(CORPUS, add_special=False)  # the nodes' tokenizer: the same llama.cpp, model
+        start = bare.model.tokenize("", add_special=True)
+        bos = start[0] if start else None
+        requests = make_requests(corpus, plan.requests, plan.max_new, seed=plan.seed, max_prompt=plan.max_prompt,
+                                 bos=bos)  # fmt: skip
+        lengths = [len(r.prompt) for r in requests]
+        say(f"workload: {len(requests)} requests, prompts {min(lengths)}-{max(lengths)} tokens, "
+            f"{plan.max_new} new tokens each, seed {plan.seed}")  # fmt: skip
+        llm = open_llama(model, plan.ctx_per_slot, 2)
+        kernels = await kernel_paths(procs, nodes, bare, llm)
+        watched = {"single": nodes.single, "chain2-head": nodes.chain, "chain2-tail": nodes.chain_tail}
+        sampler = StatsSampler({name: address for name, address in watched.items() if procs.alive([name])})
+        primary = requests[:MAX_SESSIONS]
         async with trio.open_nursery() as nursery:
             await nursery.start(sampler.run)
-            result = await sweep(plan, model, nodes, requests, sampler, bare)
+            result = await sweep(plan, nodes, requests, sampler, bare, llm, procs, faults)
             nursery.cancel_scope.cancel()
-        default = await default_mode(nodes.single, result.tokens, primary, bare)
+        default = None
+        if (SINGLE, 1) in result.tokens:
+            proof = partial(default_mode, nodes.single, result.tokens, primary, bare)
+            default = await while_alive(procs, NEEDS[SINGLE], "the default-mode analysis", proof)
     finally:
+        if llm is not None:
+            llm.close()
         bare.close()
     partners = [replace(r, rid=100 + r.rid) for r in requests[MAX_SESSIONS : 2 * MAX_SESSIONS]]
-    invariant = await invariant_proof(nodes.single_inv, nodes.chain_inv, primary, partners)
+    proof = partial(invariant_proof, nodes.single_inv, nodes.chain_inv, primary, partners)
+    invariant = await while_alive(procs, PROOF_NODES, "the corruption proof", proof)
     burst_requests = [replace(requests[i % len(requests)], rid=200 + i) for i in range(24)]
-    say(f"burst: 24 clients at once; the node takes 4 sessions, 4 waiting, {plan.burst_queue_bytes} B of queued steps")
-    admission = await burst(nodes.burst, burst_requests)
-    got, expected = admission["tokens_received"], admission["tokens_expected"]
-    say(f"burst: accepted {admission['accepted']}, refused {admission['refused']}, "
-        f"busy retries {admission['busy_retries']}, tokens {got}/{expected}")  # fmt: skip
+    if procs.alive(("burst",)):
+        say(f"burst: 24 clients at once; the node takes 4 sessions, 4 waiting, {plan.burst_queue_bytes} B of queued "
+            "steps")  # fmt: skip
+    admission = await while_alive(procs, ("burst",), "the burst", partial(burst, nodes.burst, burst_requests))
+    if admission is not None:
+        got, expected = admission["tokens_received"], admission["tokens_expected"]
+        say(f"burst: accepted {admission['accepted']}, refused {admission['refused']}, "
+            f"busy retries {admission['busy_retries']}, tokens {got}/{expected}")  # fmt: skip
+    systems = {s: {"processes": list(NEEDS[s]), **kernels.get(s, {"kernel_path": None, "weight_buffers": None}),
+                   "crashed": [n for n in NEEDS[s] if n in procs.crashed]}
+               for s in ALL if s in kernels or any(n in procs.crashed for n in NEEDS[s])}  # fmt: skip
     return {"workload": [{"rid": r.rid, "prompt_tokens": len(r.prompt), "max_new": r.max_new} for r in requests],
-            "runs": result.runs, "telemetry": sampler.samples, "default_mode": default, "invariant": invariant,
-            "admission": admission, "mismatches": invariant["mismatches"]}  # fmt: skip
+            "systems": systems, "runs": result.runs, "telemetry": sampler.samples, "default_mode": default,
+            "invariant": invariant, "admission": admission,
+            "mismatches": invariant["mismatches"] if invariant is not None else None}  # fmt: skip
 
 
 def main() -> int:
@@ -272,17 +380,19 @@ def main() -> int:
     plan = QUICK if args.mode == "quick" else FULL
     if args.out:
         plan = replace(plan, out_dir=args.out)
+    faults = Faults.from_env()
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     say(f"bench {plan.mode}: model ...")
     model = bench_model(plan)
     shards = shard_in_two(model)
     server = llama_server(plan)
     with open_processes(WORK / "logs") as procs:
-        nodes = start_all(procs, plan, model, shards, server)
-        payload = trio.run(run_until_interrupted, partial(run, plan, model, nodes))
+        nodes = start_all(procs, plan, model, shards, server, faults)
+        payload = trio.run(run_until_interrupted, partial(run, plan, model, nodes, procs, faults))
     payload["processes"] = [{"name": n, "pid": pid, "exit_status": rc} for n, (pid, rc) in procs.ended.items()]
+    payload["crashes"] = [asdict(c) for c in procs.crashed.values()]
     report = {"command": command_line(), "started": started, "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-              "plan": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(plan).items()},
+              "plan": {k: shown(v) if isinstance(v, Path) else v for k, v in asdict(plan).items()},
               "model": model.name, "chain2_shards": [s.name for s in shards], "llama_server": nodes.server_note,
               "sessions_max": MAX_SESSIONS,
               **report_markdown.machine(), **payload}  # fmt: skip
@@ -291,11 +401,17 @@ def main() -> int:
     (plan.out_dir / "bench.json").write_text(json.dumps(report, indent=1) + "\n")
     plots.draw_all(report, plan.out_dir)
     (plan.out_dir / "README.md").write_text(report_markdown.render(report))
-    say(f"report: {plan.out_dir}/README.md, bench.json, {', '.join(plots.FILES)}")
+    say(f"report: {shown(plan.out_dir)}/README.md, bench.json, {', '.join(plots.FILES)}")
+    failures = []
+    if report["crashes"]:
+        failures.append("crashed: " + ", ".join(f"{c['name']} ({c['reason']})" for c in report["crashes"]))
+    if report["mismatches"]:
+        failures.append(f"{report['mismatches']} bit-exact mismatches")
     admission = report["admission"]
-    lost = admission["incomplete_sessions"] or admission["tokens_received"] != admission["tokens_expected"]
-    if report["mismatches"] or lost:
-        print(f"FAILED: {report['mismatches']} bit-exact mismatches; lost sessions: {bool(lost)}", file=sys.stderr)
+    if admission and (admission["incomplete_sessions"] or admission["tokens_received"] != admission["tokens_expected"]):
+        failures.append("lost sessions in the burst")
+    if failures:
+        print(f"FAILED: {'; '.join(failures)}", file=sys.stderr)
         return 1
     return 0
 

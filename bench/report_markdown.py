@@ -10,11 +10,15 @@ import llama_cpp as lc
 
 from bench.aggregate import SATURATION_SHARE, mean_by, saturation
 from bench.systems import ALL, BARE, CHAIN, NODE, NODE_FAST, PYTHON, SERVER
+from engine.kernels import cpu_features
+from engine.llama_handles import extra_buffer_types
 
 
 def machine() -> dict[str, Any]:
+    """The machine and what decides llama.cpp's kernels on it: the CPU's ISA and the build's extra buffer types."""
     return {"machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, {_cores()} cores, "
-                       f"python {platform.python_version()}", "llama_cpp_python": lc.__version__}  # fmt: skip
+                       f"python {platform.python_version()}", "llama_cpp_python": lc.__version__,
+            "cpu": cpu_features().summary(), "extra_buffer_types": list(extra_buffer_types())}  # fmt: skip
 
 
 def _cores() -> int:
@@ -39,10 +43,10 @@ def render(r: dict[str, Any]) -> str:
     tok = mean_by(r["runs"], "tok_s")
     systems = [s for s in ALL if s in tok]
     quick = plan["mode"] == "quick"
-    parts = [_head(r, quick), _throughput(r, tok, systems, cs), _latency(r, cs), _corruption(r),
+    parts = [_head(r, quick), _systems(r), _throughput(r, tok, systems, cs), _latency(r, cs), _corruption(r),
              _default_mode(r), _admission(r), _telemetry(r), _compatibility(r), _limitations(r, tok),
              _next_step(r)]  # fmt: skip
-    return "\n\n".join(parts) + "\n"
+    return "\n\n".join(p for p in parts if p) + "\n"
 
 
 def _head(r: dict[str, Any], quick: bool) -> str:
@@ -54,6 +58,7 @@ def _head(r: dict[str, Any], quick: bool) -> str:
 Produced by one run of `{cmd}` (on a fresh machine: `python3 -m pip install -q rust-just && {cmd}`),
 which ran `{r["command"]}` from {r["started"]} to {r["finished"]}.
 Machine: {r["machine"]}; llama-cpp-python {r["llama_cpp_python"]} (llama.cpp built from its sdist on this machine).
+{_cpu(r)}
 Model: `{r["model"]}`; 2-stage chain shards: {", ".join(f"`{s}`" for s in r["chain2_shards"])}.
 
 Every figure below is read from `bench.json` of that run. Nothing here is typed in by hand.
@@ -63,7 +68,9 @@ Every figure below is read from `bench.json` of that run. Nothing here is typed 
 - `bench.json`: the plan, the workload, every run's raw figures (`runs`: tokens, wall time, tok/s,
   TTFT/ITL percentiles per system, concurrency and repetition), the `stats` samples
   (`telemetry`), the corruption checks (`invariant`, with `mismatches`), default-mode
-  agreement and teacher-forced logits (`default_mode`), the burst (`admission`) and `saturation`.
+  agreement and teacher-forced logits (`default_mode`), the burst (`admission`), `saturation`,
+  each system's kernel path and weight buffers (`systems`), the CPU (`cpu`, `extra_buffer_types`)
+  and any process that crashed, with its log's last lines (`crashes`).
 - `throughput.png`: aggregate tok/s against concurrency, every system.
 - `latency.png`: TTFT and inter-token latency p50/p99 against concurrency.
 - `telemetry.png`: queue depth, batch occupancy and KV pressure over the sweep, sampled from `stats`.
@@ -82,6 +89,54 @@ concurrency 16 eight sessions wait for room (their wait counts in TTFT). Single 
 `llama-server` use 2 threads; each chain stage 1 thread (2 cores in all). `{NODE_FAST}`
 is the same node started with `--prefill-share 4` (prefill may add four decode steps' time
 to an iteration instead of one: more throughput, longer gaps between tokens)."""
+
+
+def _cpu(r: dict[str, Any]) -> str:
+    cpu = r.get("cpu")
+    if cpu is None:  # a report from before the machine section named the CPU
+        return ""
+    isa = ", ".join(f"{name} {'yes' if cpu[key] else 'no'}" for key, name in
+                    (("avx2", "AVX2"), ("avx512", "AVX-512"), ("amx", "AMX")))  # fmt: skip
+    offered = ", ".join(f"`{b}`" for b in r["extra_buffer_types"]) or "none"
+    return (
+        f"CPU: {cpu['model']} ({isa}); extra weight buffer types this llama.cpp build offers: {offered}. "
+        "Every system loads its weights as the node's `--kernels auto` does: CPU_REPACK where it is "
+        "offered, never AMX (its kernels crash on quantized models on some hosts, llama.cpp #20824)."
+    )
+
+
+def _systems(r: dict[str, Any]) -> str:
+    """Each system's kernel path and, for one that crashed, why and its log's last lines."""
+    systems = r.get("systems")
+    if systems is None:
+        return ""
+    crashes = {c["name"]: c for c in r.get("crashes", [])}
+    rows = []
+    for name, s in systems.items():
+        buffers = s["weight_buffers"] or {}
+        if name == CHAIN and buffers:
+            shown = "; ".join(f"{stage}: {_buffers(b)}" for stage, b in buffers.items())
+        else:
+            shown = _buffers(buffers)
+        status = "; ".join(f"**crashed**: {n} {crashes[n]['reason']}" for n in s["crashed"]) or "ran"
+        rows.append([name, s["kernel_path"] or "–", shown or "–", status])
+    out = ["## Systems and kernel paths", "",
+           "Kernel path: where llama.cpp put the weights, read back from each system (the nodes' `stats`, "
+           "llama-server's and llama.cpp's load log): `repack` (CPU_REPACK kernels where the weight "
+           "type has a layout), `plain` (ordinary CPU buffer), `amx`.", "",
+           _table(["system", "kernel path", "weight buffers", "status"], rows)]  # fmt: skip
+    if crashes:
+        out += ["", "### Crashed processes", "",
+                "A process that stops on its own is reported here and the run goes on without what needs "
+                "it; the bench then exits 1."]  # fmt: skip
+        for c in crashes.values():
+            tail = "\n".join(c["log_tail"]) or "(empty log)"
+            out += ["", f"- `{c['name']}` {c['reason']}; last lines of `{c['log']}`:", "", "```", tail, "```"]
+    return "\n".join(out)
+
+
+def _buffers(buffers: dict[str, int]) -> str:
+    return ", ".join(f"{name} {size / 2**20:.1f} MiB" for name, size in buffers.items())
 
 
 def _throughput(r: dict[str, Any], tok: dict[str, dict[int, float]], systems: list[str], cs: list[int]) -> str:
@@ -143,6 +198,8 @@ def _latency(r: dict[str, Any], cs: list[int]) -> str:
 
 def _corruption(r: dict[str, Any]) -> str:
     inv = r["invariant"]
+    if inv is None:
+        return "## Corruption proof\n\nNot run: a node it needs crashed (see above)."
     rows = [[c["check"], str(c["sessions"]), str(c["tokens"]), str(c["mismatches"])] for c in inv["checks"]]
     details = "\n".join(
         f"- {m['check']}: request {m['rid']} parts at step {m['step']}" for m in inv["mismatch_details"]
@@ -158,6 +215,8 @@ def _corruption(r: dict[str, Any]) -> str:
 
 def _default_mode(r: dict[str, Any]) -> str:
     d = r["default_mode"]
+    if d is None:
+        return "## Default mode: agreement with the solo run\n\nNot run: the single node crashed (see above)."
     rows = []
     for label, per in d["agreement"].items():
         if not per:
@@ -226,6 +285,8 @@ TF_COLUMNS = ["request", "steps", "max abs diff", "mean abs diff", "logit std", 
 
 def _admission(r: dict[str, Any]) -> str:
     a = r["admission"]
+    if a is None:
+        return "## Admission and backpressure\n\nNot run: the burst node crashed (see above)."
     after, before = a["stats_after"], a["stats_before"]
     rejected = {k: v - (before.get("admissions_rejected_total") or {}).get(k, 0)
                 for k, v in (after.get("admissions_rejected_total") or {}).items()}  # fmt: skip
@@ -263,7 +324,7 @@ call between samples over the 8-session limit.
 
 
 def _compatibility(r: dict[str, Any]) -> str:
-    agree = r["default_mode"]["agreement"]
+    agree = (r["default_mode"] or {}).get("agreement", {})
     rows = []
     for label in (f"{BARE} c=1", f"{PYTHON} c=1", f"{SERVER} c=1", f"{CHAIN} c=1"):
         if agree.get(label):
@@ -308,10 +369,11 @@ def _next_step(r: dict[str, Any]) -> str:
     return "\n".join(["## What a next step can rely on", "",
                       "- `just bench` is one command: it builds what it needs once (llama-server under "
                       "`~/.cache/neuron-tai/`), stops every process it started (also on Ctrl-C or SIGTERM), "
-                      "and exits non-zero on any bit-exact mismatch or lost session.",
+                      "and exits non-zero on any bit-exact mismatch, lost session or crashed process (a crash is "
+                      "reported with its log's last lines; the rest of the report is still written).",
                       "- `just bench quick` runs the same code paths on the tiny test model in under two "
                       "minutes (the test suite runs it).",
                       "- `bench.json` is stable input for comparisons: `runs` rows keyed by system, "
                       "concurrency and repetition; `mismatches` is the count a gate should check.",
-                      "- `python bench/report.py --render-only DIR` redraws the plots and this README from "
+                      "- `python -m bench.report --render-only DIR` redraws the plots and this README from "
                       "DIR/bench.json without rerunning."])  # fmt: skip

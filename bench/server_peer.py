@@ -12,12 +12,36 @@ from pathlib import Path
 
 from bench.latency import Trace
 from bench.workload import Request
+from engine.kernels import KernelPath, Placement, path_of_buffers
+from engine.llama_handles import _weight_buffers
 
 
-def server_command(binary: Path, model: Path, port: int, slots: int, ctx_per_slot: int, threads: int) -> list[str]:
+def kernel_args(placement: Placement) -> list[str]:
+    """llama-server's flags for the node's weight placement (`weight_placement(model, "auto")`).
+
+    Where the node keeps llama.cpp's extra buffer types, so does llama-server. Where the node
+    turns them off (an AMX build: AMX would come first), llama-server gets `--no-repack`. Its
+    `--override-tensor` only accepts each device's main buffer type ("CPU"), not CPU_REPACK,
+    so the node's per-tensor routing to CPU_REPACK cannot be repeated there: llama-server then
+    runs the plain kernels, never AMX, and the report says so.
+    """
+    return [] if placement.use_extra_bufts else ["--no-repack"]
+
+
+def server_command(
+    binary: Path, model: Path, port: int, slots: int, ctx_per_slot: int, threads: int, placement: Placement
+) -> list[str]:
+    """`-lv 4`: only at trace verbosity does llama-server log where the weights went (`<type> model buffer
+    size`); it adds about 20 lines per request, none per token."""
     return [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
             "-c", str(slots * ctx_per_slot), "-t", str(threads), "-tb", str(threads), "-b", "512", "-ub", "512",
-            "-fa", "on", "--cache-ram", "0", "--no-webui"]  # fmt: skip
+            "-fa", "on", "--cache-ram", "0", "--no-webui", "-lv", "4", *kernel_args(placement)]  # fmt: skip
+
+
+def weight_buffers(log: Path) -> tuple[KernelPath, dict[str, int]]:
+    """The kernel path llama-server's weights are on, from its own log (`<type> model buffer size = x MiB`)."""
+    buffers = _weight_buffers(log.read_text(errors="replace").splitlines())
+    return path_of_buffers(buffers), buffers
 
 
 def healthy(port: int) -> bool:

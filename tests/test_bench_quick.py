@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from bench.systems import BARE, CHAIN, NODE, PYTHON
+from bench.faults import ENV as CRASH_ENV
+from bench.systems import BARE, CHAIN, NODE, NODE_FAST, PYTHON
 
 ROOT = Path(__file__).resolve().parent.parent
-REPORT = [sys.executable, str(ROOT / "bench" / "report.py"), "quick"]
+REPORT = [sys.executable, "-m", "bench.report", "quick"]
 
 
 def alive(pid: int) -> bool:
@@ -58,6 +59,53 @@ def test_quick_bench_reports_every_system_and_proves_sessions_never_mix(tmp_path
     assert len(report["telemetry"]) > 0 and report["saturation"][NODE]["tok_s"]
     assert report["processes"] and not any(alive(p["pid"]) for p in report["processes"])
     assert "mismatches: 0" in (out / "README.md").read_text()
+
+    for system in (NODE, NODE_FAST, CHAIN, PYTHON, BARE):  # each system's kernel path, read back from it
+        assert report["systems"][system]["kernel_path"] in ("repack", "plain"), report["systems"][system]
+    assert report["cpu"]["model"] and "amx" in report["cpu"] and isinstance(report["extra_buffer_types"], list)
+    readme = (out / "README.md").read_text()
+    assert "## Systems and kernel paths" in readme and "AVX-512" in readme
+    for text in (readme, (out / "bench.json").read_text()):  # evidence names no directory of this machine
+        assert str(ROOT) not in text and str(Path.home()) + "/" not in text
+
+
+def test_bench_reports_a_crashed_node_and_still_writes_the_rest(tmp_path: Path) -> None:
+    # chain2-tail segfaults while loading; the prefill-share node is sent SIGSEGV as its c=2 run begins.
+    out = tmp_path / "report"
+    env = {**os.environ, CRASH_ENV: "chain2-tail@start,single-prefill-share-4@c=2"}
+    proc = subprocess.run(
+        [*REPORT, "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False
+    )
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "FAILED: crashed: " in proc.stderr
+    assert {p.name for p in out.iterdir()} >= {"README.md", "bench.json", "throughput.png", "latency.png",
+                                               "telemetry.png"}  # fmt: skip
+    report = json.loads((out / "bench.json").read_text())
+
+    crashes = {c["name"]: c for c in report["crashes"]}
+    assert set(crashes) == {"chain2-tail", "single-prefill-share-4"}
+    at_start, mid_run = crashes["chain2-tail"], crashes["single-prefill-share-4"]
+    assert at_start["exit_status"] == mid_run["exit_status"] == -signal.SIGSEGV
+    assert at_start["reason"] == "killed by SIGSEGV before it was ready"
+    assert at_start["log_tail"][-1] == "loading the model ..."
+    assert mid_run["reason"] == f"killed by SIGSEGV during {NODE_FAST} c=2" and mid_run["log_tail"]
+    assert report["systems"][CHAIN]["crashed"] == ["chain2-tail"]
+    assert report["systems"][NODE_FAST]["crashed"] == ["single-prefill-share-4"]
+
+    swept = {(r["system"], r["concurrency"]) for r in report["runs"]}
+    assert not {c for s, c in swept if s == CHAIN}
+    assert {c for s, c in swept if s == NODE_FAST} == {1}
+    for system in (NODE, BARE):
+        assert {c for s, c in swept if s == system} == {1, 2, 4, 8, 16}
+    assert report["mismatches"] == 0 and report["admission"]["accepted"] == 8  # the proofs still ran
+    assert report["default_mode"]["teacher_forced"]
+
+    readme = (out / "README.md").read_text()
+    assert "### Crashed processes" in readme
+    assert "**crashed**: chain2-tail killed by SIGSEGV before it was ready" in readme
+    assert "loading the model ..." in readme and mid_run["log_tail"][-1] in readme
+    assert "mismatches: 0" in readme
+    assert not any(alive(p["pid"]) for p in report["processes"])
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
