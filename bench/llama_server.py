@@ -19,6 +19,8 @@ from typing import IO
 import llama_cpp as lc
 
 from bench.common import shown
+from engine.kernels import AMX_BUFFER, CpuFeatures, cpu_features
+from engine.llama_handles import extra_buffer_types
 
 CMAKE_FLAGS = [
     "-DCMAKE_BUILD_TYPE=Release",
@@ -32,9 +34,43 @@ CMAKE_FLAGS = [
 ]
 
 
+# ggml's CMake switches for x86 instruction sets, and the /proc/cpuinfo flag each needs.
+_ISA_OPTIONS = {
+    "GGML_SSE42": "sse4_2",
+    "GGML_AVX": "avx",
+    "GGML_AVX2": "avx2",
+    "GGML_FMA": "fma",
+    "GGML_F16C": "f16c",
+    "GGML_BMI2": "bmi2",
+    "GGML_AVX_VNNI": "avx_vnni",
+    "GGML_AVX512": "avx512f",
+    "GGML_AVX512_VBMI": "avx512vbmi",
+    "GGML_AVX512_VNNI": "avx512_vnni",
+    "GGML_AVX512_BF16": "avx512_bf16",
+}
+
+
+def isa_flags(cpu: CpuFeatures, without_amx: bool) -> list[str]:
+    """CMake flags for the build: native (as llama-cpp-python builds), or this CPU's ISA without AMX.
+
+    A native build on an AMX machine compiles the AMX kernels in, and llama-server's
+    `--override-tensor` cannot route weights to CPU_REPACK instead. So where the node's library
+    offers AMX, llama-server is built for the same instruction sets minus AMX: its default
+    placement is then the node's repack path.
+    """
+    if not without_amx:
+        return []
+    on = [f"-D{opt}={'ON' if flag in cpu.flags else 'OFF'}" for opt, flag in _ISA_OPTIONS.items()]
+    return ["-DGGML_NATIVE=OFF", *on, "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
+
+
+def _without_amx() -> bool:
+    return AMX_BUFFER in extra_buffer_types()
+
+
 def cache_dir() -> Path:
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "neuron-tai" / f"llama-server-{lc.__version__}"
+    return base / "neuron-tai" / f"llama-server-{lc.__version__}{'-noamx' if _without_amx() else ''}"
 
 
 def cached_binary() -> Path | None:
@@ -53,7 +89,8 @@ def ensure_llama_server() -> tuple[Path | None, str]:
         try:
             source = _vendored_source(root, log)
             build = root / "build"
-            _run(["cmake", "-S", str(source), "-B", str(build), *CMAKE_FLAGS], log)
+            flags = [*CMAKE_FLAGS, *isa_flags(cpu_features(), _without_amx())]
+            _run(["cmake", "-S", str(source), "-B", str(build), *flags], log)
             jobs = str(os.cpu_count() or 2)
             _run(["cmake", "--build", str(build), "--target", "llama-server", "-j", jobs], log)
             shutil.copy2(build / "bin" / "llama-server", root / "llama-server")

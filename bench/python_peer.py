@@ -19,10 +19,10 @@ from bench.workload import Request
 from engine.kernels import REPACK_BUFFER, KernelPath, Placement, path_of_buffers
 from engine.llama_handles import (
     _BuftOverride,
-    _weight_buffers,
     capture_llama_log,
     ensure_backend,
     extra_buffer_types,
+    weight_buffers_from_log,
     weight_placement,
 )
 
@@ -75,7 +75,7 @@ def open_llama(model: Path, n_ctx: int, n_threads: int) -> PythonPeer:
     with _placed_default_params(placement) as table, capture_llama_log() as lines:
         # Flash attention on, as the node resolves `auto` on this CPU: the same attention kernel.
         llm = Llama(str(model), n_ctx=n_ctx, n_batch=512, n_threads=n_threads, flash_attn=True, verbose=False)
-    buffers = _weight_buffers(lines)
+    buffers = weight_buffers_from_log(lines)
     path = path_of_buffers(buffers)
     if path is KernelPath.AMX:
         llm.close()

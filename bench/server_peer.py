@@ -13,19 +13,16 @@ from pathlib import Path
 from bench.latency import Trace
 from bench.workload import Request
 from engine.kernels import KernelPath, Placement, path_of_buffers
-from engine.llama_handles import _weight_buffers
+from engine.llama_handles import weight_buffers_from_log
 
 
 def kernel_args(placement: Placement) -> list[str]:
     """llama-server's flags for the node's weight placement (`weight_placement(model, "auto")`).
 
-    Where the node keeps llama.cpp's extra buffer types, so does llama-server. Where the node
-    turns them off (an AMX build: AMX would come first), llama-server gets `--no-repack`. Its
-    `--override-tensor` only accepts each device's main buffer type ("CPU"), not CPU_REPACK,
-    so the node's per-tensor routing to CPU_REPACK cannot be repeated there: llama-server then
-    runs the plain kernels, never AMX, and the report says so.
+    llama-server is built without AMX where the node's library has it (bench.llama_server),
+    so its default placement is the node's repack path; for a plain node it gets `--no-repack`.
     """
-    return [] if placement.use_extra_bufts else ["--no-repack"]
+    return ["--no-repack"] if placement.path is KernelPath.PLAIN else []
 
 
 def server_command(
@@ -40,7 +37,7 @@ def server_command(
 
 def weight_buffers(log: Path) -> tuple[KernelPath, dict[str, int]]:
     """The kernel path llama-server's weights are on, from its own log (`<type> model buffer size = x MiB`)."""
-    buffers = _weight_buffers(log.read_text(errors="replace").splitlines())
+    buffers = weight_buffers_from_log(log.read_text(errors="replace").splitlines())
     return path_of_buffers(buffers), buffers
 
 

@@ -133,7 +133,7 @@ def extra_buffer_types() -> dict[str, int]:
     return out
 
 
-def _weight_buffers(lines: list[str]) -> dict[str, int]:
+def weight_buffers_from_log(lines: list[str]) -> dict[str, int]:
     """Bytes of weights per buffer type, from llama.cpp's load log (`<type> model buffer size = <x> MiB`)."""
     out: dict[str, int] = {}
     for line in lines:
@@ -178,7 +178,7 @@ class LlamaModel:
             raise ValueError(f"{path}: llama.cpp could not load this model")
         self._ptr: lc.llama_model_p | None = ptr
         self._overrides = overrides  # llama.cpp may read the override table for the model's lifetime
-        self.weight_buffers = _weight_buffers(lines)
+        self.weight_buffers = weight_buffers_from_log(lines)
         self.kernel_path = path_of_buffers(self.weight_buffers)
         if self.kernel_path is KernelPath.AMX and self.placement.path is not KernelPath.AMX:
             self.close()

@@ -114,3 +114,13 @@ def test_the_reported_path_is_the_fastest_buffer_in_use(buffers: list[str]) -> N
         assert path is KernelPath.REPACK
     else:
         assert path is KernelPath.PLAIN
+
+
+def test_llama_server_is_built_without_amx_only_where_the_library_has_it() -> None:
+    from bench.llama_server import isa_flags  # noqa: PLC0415 - bench code, imported where tested
+
+    assert isa_flags(AMX, without_amx=False) == []  # native, as llama-cpp-python builds
+    flags = isa_flags(AMX, without_amx=True)
+    assert "-DGGML_NATIVE=OFF" in flags and "-DGGML_AMX_INT8=OFF" in flags
+    assert "-DGGML_AVX512=ON" in flags and "-DGGML_AVX2=ON" in flags
+    assert "-DGGML_AVX512=OFF" in isa_flags(AVX2, without_amx=True)
