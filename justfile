@@ -24,9 +24,20 @@ lint: setup
 bench-setup: setup
     {{py}} -m pip install -q -e ".[bench]"
 
-# Nodes, chain and peers at concurrency 1-16, corruption proof, burst: evidence/DGR-012 (`quick`: tiny model).
+# Nodes, chain, peers at concurrency 1-16, proofs, burst (evidence/DGR-012); full: kernel paths too (`quick`: tiny model).
 bench mode="full": bench-setup
-    {{py}} -m bench.report {{mode}}
+    status=0; \
+    {{py}} -m bench.report {{mode}} || status=$?; \
+    if [ "{{mode}}" = full ] && [ "$status" != 130 ]; then {{py}} -m bench.kernel_paths --reps 3 || status=1; fi; \
+    exit $status
+
+# Decode tok/s of the bare llama_decode loop on each weight kernel path at 1 and 8 sequences.
+bench-kernels: bench-setup
+    {{py}} -m bench.kernel_paths --reps 3
+
+# Which decode-batch padding makes each kernel path batch-invariant (evidence/invariance_padding.json).
+bench-padding: bench-setup
+    {{py}} -m bench.invariance_padding --steps 24 --pads 2,4,8
 
 # Backend vs bare llama_decode at 1/2/4/8 sequences, and split exactness (evidence/backend_sweep.json).
 bench-backend: bench-setup
