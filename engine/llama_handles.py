@@ -161,6 +161,7 @@ class LlamaModel:
     """
 
     def __init__(self, path: Path, kernels: str = "auto") -> None:
+        self._ptr: lc.llama_model_p | None = None  # closed until loaded: __del__ may run after a failed start
         ensure_backend()
         self.placement = weight_placement(path, kernels)
         params = lc.llama_model_default_params()
@@ -176,7 +177,7 @@ class LlamaModel:
             ptr = lc.llama_model_load_from_file(str(path).encode(), params)
         if not ptr:
             raise ValueError(f"{path}: llama.cpp could not load this model")
-        self._ptr: lc.llama_model_p | None = ptr
+        self._ptr = ptr
         self._overrides = overrides  # llama.cpp may read the override table for the model's lifetime
         self.weight_buffers = weight_buffers_from_log(lines)
         self.kernel_path = path_of_buffers(self.weight_buffers)
