@@ -19,9 +19,10 @@ import trio
 from bench.processes import free_ports
 from neuron_tai.cli import main
 from neuron_tai.client import Client, open_client
+from neuron_tai.node import NodeConfig, open_node
 from neuron_tai.security import AllowList, KeyFileError, create_key_pair, is_loopback, read_allowed_keys
 from tests.nodes import NodeProcess, running
-from tests.test_node import logits_run, prompt
+from tests.test_node import engine_config, logits_run, prompt
 
 NO_REPLY_S = 1.5  # how long a refused peer waits for the reply that must not come
 
@@ -192,3 +193,13 @@ def test_keygen_allow_lists_and_flag_checks(tmp_path: Path, capsys: pytest.Captu
 )  # fmt: skip
 def test_loopback_addresses(address: str, local: bool) -> None:
     assert is_loopback(address) == local
+
+
+async def test_a_plain_node_warns_when_reachable_beyond_loopback(
+    tiny_model: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    for bind, warned in (("tcp://127.0.0.1:0", False), ("tcp://0.0.0.0:0", True)):
+        caplog.clear()
+        async with open_node(NodeConfig(engine_config(tiny_model), bind=bind)) as node:
+            assert not node.stats()["curve"] and "curve_allowed_keys" not in node.stats()
+        assert any("unauthenticated" in r.getMessage() for r in caplog.records) == warned, bind
