@@ -185,9 +185,9 @@ def open_zmq_context(curve: ServerCurve | None) -> Iterator[tuple[zmq.Context[zm
             yield ctx, None
             return
         auth = ThreadAuthenticator(ctx, log=logging.getLogger("neuron_tai.zap"))
+        auth.configure_curve_callback("*", credentials_provider=allow)  # set before its thread reads it
         auth.start()
         try:
-            auth.configure_curve_callback("*", credentials_provider=allow)
             yield ctx, allow
         finally:
             auth.stop()
