@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.budgets import BudgetError
 from neuron_tai.client import NodeError
+from neuron_tai.security import ServerCurve, create_key_pair
 from neuron_tai.shard import ShardError, open_header, read_model_layers, stage_bounds, write_shard, write_stages
 
 if TYPE_CHECKING:
@@ -111,7 +112,27 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
         max_message_bytes=args.max_message_bytes,
         downstream_timeout_s=args.downstream_timeout,
         metrics_port=args.metrics_port,
+        metrics_bind=args.metrics_bind,
+        curve=server_curve(args),
     )
+
+
+def server_curve(args: argparse.Namespace) -> ServerCurve | None:
+    """--curve-secret and --allow together make a node require CURVE; --next-key needs them."""
+    if (args.curve_secret is None) != (args.allow is None):
+        raise ValueError("--curve-secret and --allow go together: the node's key pair and the keys it admits")
+    if args.next_key is not None and (args.curve_secret is None or args.next is None):
+        raise ValueError("--next-key needs --next and the node's own key pair (--curve-secret, --allow)")
+    if args.curve_secret is None:
+        return None
+    return ServerCurve(args.curve_secret, args.allow, args.next_key)
+
+
+def _cmd_keygen(args: argparse.Namespace) -> int:
+    public, secret = create_key_pair(args.directory, args.name)
+    print(f"public key  {public}  (hand this one out)")
+    print(f"key pair    {secret}  (keep this one private)")
+    return 0
 
 
 # llama.cpp's OpenMP workers spin this long after each op before sleeping. libgomp's default
@@ -132,10 +153,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     config = node_config(args)
 
     async def serve() -> None:
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
             async with open_node(config) as node:
                 print(f"ready {node.address}", flush=True)
                 async for signum in signals:
+                    if signum == signal.SIGHUP:  # an operator changed the allowed keys
+                        if node.allow is None:
+                            log.warning("SIGHUP: no allowed keys to reload (the node does not require CURVE)")
+                        else:
+                            node.allow.reload()
+                        continue
                     log.info("%s: draining in-flight work, refusing new work", signal.Signals(signum).name)
                     break
         log.info("stopped")
@@ -152,7 +179,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed}
 
     async def run() -> None:
-        async with open_client(args.addr, timeout_s=args.timeout) as client:
+        async with open_client(args.addr, timeout_s=args.timeout, server_key=args.server_key, key=args.key) as client:
             async for piece in client.generate(args.prompt, args.max_tokens, sampling=sampling):
                 print(piece, end="", flush=True)
             print()
@@ -167,7 +194,9 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     from neuron_tai.client import open_client  # noqa: PLC0415
 
     async def run() -> dict[str, Any]:
-        async with open_client(args.addr, timeout_s=args.timeout, retries=0) as client:
+        async with open_client(
+            args.addr, timeout_s=args.timeout, retries=0, server_key=args.server_key, key=args.key
+        ) as client:
             return await client.stats()
 
     stats = trio.run(run)
@@ -252,7 +281,24 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--idle-timeout", type=float, default=600.0, help="close sessions idle this long (s; 0 off)")
     serve.add_argument("--max-message-bytes", type=_bytes, default=64 * 2**20, help="ZMQ_MAXMSGSIZE")
     serve.add_argument("--downstream-timeout", type=float, default=30.0, help="seconds to wait for the next stage")
-    serve.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
+    serve.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on PORT (plain HTTP)")
+    serve.add_argument("--metrics-bind", default="127.0.0.1", help="address the metrics endpoint listens on")
+    curve = serve.add_argument_group("CurveZMQ (authenticated, encrypted links)")
+    curve.add_argument(
+        "--curve-secret", type=Path, metavar="FILE", help="the node's key pair (.key_secret): require CURVE"
+    )
+    curve.add_argument(
+        "--allow",
+        type=Path,
+        metavar="DIR_OR_FILE",
+        help="public keys admitted: a directory of .key files or one file; reread on SIGHUP",
+    )
+    curve.add_argument(
+        "--next-key",
+        type=Path,
+        metavar="FILE",
+        help="the next stage's public key: the --next link authenticates with the node's key pair",
+    )
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.set_defaults(run=_cmd_serve)
 
@@ -265,13 +311,30 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--timeout", type=float, default=60.0)
+    _client_keys(gen)
     gen.set_defaults(run=_cmd_generate)
 
     stats = sub.add_parser("stats", help="print a node's telemetry")
     stats.add_argument("--addr", default="tcp://127.0.0.1:5555")
     stats.add_argument("--timeout", type=float, default=10.0)
+    _client_keys(stats)
     stats.set_defaults(run=_cmd_stats)
+
+    keygen = sub.add_parser(
+        "keygen",
+        help="write a CurveZMQ key pair",
+        description="Write NAME.key (the public key, to hand out) and NAME.key_secret (the key pair, to keep "
+        "private) into DIR, in ZeroMQ's certificate format. Never overwrites a key.",
+    )
+    keygen.add_argument("directory", type=Path, metavar="DIR")
+    keygen.add_argument("--name", default="node", help="file name stem")
+    keygen.set_defaults(run=_cmd_keygen)
     return parser
+
+
+def _client_keys(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--server-key", type=Path, metavar="FILE", help="the node's public key (CURVE)")
+    parser.add_argument("--key", type=Path, metavar="FILE", help="this client's key pair, .key_secret (CURVE)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

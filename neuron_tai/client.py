@@ -16,6 +16,7 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -23,6 +24,7 @@ import numpy.typing as npt
 import trio
 import zmq
 
+from neuron_tai.security import client_curve
 from protocol.errors import ErrorCode
 from transport.requester import ClientClosed, OutboxFull, Requester
 from transport.trio_zmq import TrioSocket
@@ -163,13 +165,29 @@ class Client:
 
 
 @asynccontextmanager
-async def open_client(address: str, *, timeout_s: float = 30.0, retries: int = 2) -> AsyncIterator[Client]:
+async def open_client(
+    address: str,
+    *,
+    timeout_s: float = 30.0,
+    retries: int = 2,
+    server_key: Path | str | None = None,
+    key: Path | str | None = None,
+) -> AsyncIterator[Client]:
+    """A client of the node at `address`.
+
+    For a node that requires CURVE give both `server_key` (the node's public key file) and
+    `key` (this client's .key_secret file). A node that does not admit the key never
+    answers: ZeroMQ drops the connection in its handshake, so requests time out.
+    """
+    curve = client_curve(key, server_key)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(address)
-    client = Client(TrioSocket(sock), timeout_s, retries)
     try:
+        if curve is not None:
+            curve.apply(sock)
+        sock.connect(address)
+        client = Client(TrioSocket(sock), timeout_s, retries)
         async with trio.open_nursery() as nursery:
             await nursery.start(client.run)
             try:

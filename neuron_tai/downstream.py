@@ -2,7 +2,8 @@
 
 Built on the same request/reply core as `neuron_tai.client` (transport.requester):
 one DEALER socket owned by its pump task, rids of our own matched to replies, a
-timeout per request. A request the next stage does not answer within `timeout_s`,
+timeout per request. With CURVE it authenticates with the node's own key pair,
+like any client. A request the next stage does not answer within `timeout_s`,
 or that cannot be sent, comes back as None and counts as a failure.
 """
 
@@ -14,6 +15,7 @@ from typing import Any
 import trio
 import zmq
 
+from neuron_tai.security import ClientCurve
 from transport.requester import ClientClosed, OutboxFull, Reply, Requester
 from transport.trio_zmq import TrioSocket
 
@@ -21,8 +23,18 @@ log = logging.getLogger("neuron_tai.downstream")
 
 
 class NextStage:
-    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], address: str, timeout_s: float, hwm: int) -> None:
+    def __init__(
+        self,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        address: str,
+        timeout_s: float,
+        hwm: int,
+        *,
+        curve: ClientCurve | None = None,
+    ) -> None:
         sock = ctx.socket(zmq.DEALER)
+        if curve is not None:  # the node's own key pair, and the next stage's public key
+            curve.apply(sock)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, hwm)
         sock.setsockopt(zmq.RCVHWM, hwm)

@@ -1,7 +1,8 @@
 """Prometheus text endpoint with the telemetry names of `stats`.
 
-The HTTP server runs in prometheus_client's own thread; it reads a snapshot that the
-node refreshes once a second, never the engine's live state.
+Plain HTTP, unauthenticated: it binds to 127.0.0.1 unless told otherwise. The HTTP
+server runs in prometheus_client's own thread; it reads a snapshot that the node
+refreshes once a second, never the engine's live state.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector, CollectorRegistry
 
 PREFIX = "neuron_tai_"
-COUNTERS = ("admissions_total", "batches_total", "prefill_tokens_total", "decode_tokens_total")
+COUNTERS = ("auth_failures_total", "admissions_total", "batches_total", "prefill_tokens_total", "decode_tokens_total")
 LABELLED = {"admissions_rejected_total": "reason", "errors_total": "code"}
 
 
@@ -40,14 +41,16 @@ class SnapshotCollector(Collector):
                 yield GaugeMetricFamily(PREFIX + name, name, value=value)
 
 
-async def serve_metrics(node: Any, port: int, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+async def serve_metrics(
+    node: Any, port: int, bind: str = "127.0.0.1", *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> None:
     from prometheus_client import start_http_server  # noqa: PLC0415
 
     collector = SnapshotCollector()
     registry = CollectorRegistry()
     registry.register(collector)
     collector.snapshot = node.stats()
-    server, thread = start_http_server(port, addr="127.0.0.1", registry=registry)
+    server, thread = start_http_server(port, addr=bind, registry=registry)
     task_status.started()
     try:
         while True:

@@ -43,6 +43,7 @@ from engine.messages import (
 )
 from engine.sampling import SamplingParams
 from neuron_tai.downstream import NextStage
+from neuron_tai.security import AllowList, ClientCurve, ServerCurve, is_loopback, make_curve_server, open_zmq_context
 from protocol.errors import ErrorCode
 from transport import wire
 from transport.pump import SocketPump
@@ -61,6 +62,9 @@ class NodeConfig:
     hwm: int = 1000
     downstream_timeout_s: float = 30.0
     metrics_port: int | None = None
+    metrics_bind: str = "127.0.0.1"
+    # Require CURVE from every peer (and use it to the next stage with `next_key`); None: plain links.
+    curve: ServerCurve | None = None
     drain_timeout_s: float = 10.0
     # Requests waiting on the engine or the next stage at once (each is one task): in total
     # and per connection. Beyond either, a request is answered `busy` at once.
@@ -81,11 +85,16 @@ def forwarded_session(peer: bytes, session: str) -> str:
 
 
 class Node:
-    def __init__(self, config: NodeConfig, engine: Engine, ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    def __init__(
+        self, config: NodeConfig, engine: Engine, ctx: zmq.Context[zmq.Socket[bytes]], allow: AllowList | None = None
+    ) -> None:
         self.config = config
         self.engine = engine
         self.stage = engine.stage
+        self.allow = allow  # the keys the ZAP handler admits: set when the node requires CURVE
         sock = ctx.socket(zmq.ROUTER)
+        if config.curve is not None:
+            make_curve_server(sock, config.curve.secret)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes)
         sock.setsockopt(zmq.SNDHWM, config.hwm)
@@ -95,7 +104,11 @@ class Node:
         self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.sock = TrioSocket(sock)
         self.pump = SocketPump(self.sock, self._on_message, routed=True, on_peer_gone=self._peer_gone)
-        self.next = NextStage(ctx, config.next, config.downstream_timeout_s, config.hwm) if config.next else None
+        self.next = None
+        if config.next:
+            curve = config.curve
+            link = ClientCurve(curve.secret, curve.next_key) if curve and curve.next_key else None
+            self.next = NextStage(ctx, config.next, config.downstream_timeout_s, config.hwm, curve=link)
         self.peers_gone = 0
         self.started = time.monotonic()
         # Steps of a session from arrival until reply (through the next stage too): while the
@@ -168,8 +181,14 @@ class Node:
         stats["uptime_s"] = round(time.monotonic() - self.started, 1)
         stats["handlers_active"] = self.handlers
         stats["handlers_refused_total"] = self.handlers_refused
+        stats["curve"] = self.allow is not None
+        stats["auth_failures_total"] = self.allow.failures if self.allow is not None else 0
+        if self.allow is not None:
+            stats["curve_allowed_keys"] = len(self.allow)
         if self.next is not None:
-            stats["downstream"] = {"address": self.next.address, "failures_total": self.next.failures}
+            stats["downstream"] = {"failures_total": self.next.failures}
+            if self.allow is not None:  # only authenticated peers learn where the chain goes on
+                stats["downstream"]["address"] = self.next.address
         return {**stats, **self.config.extra_stats}
 
     # -- requests ----------------------------------------------------------------------
@@ -377,22 +396,22 @@ class Node:
 @asynccontextmanager
 async def open_node(config: NodeConfig) -> AsyncIterator[Node]:
     """Run a node inside the caller's Trio program; drains and closes on exit."""
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    try:
+    with open_zmq_context(config.curve) as (ctx, allow):
         async with open_engine(config.engine) as engine:
-            node = Node(config, engine, ctx)
+            node = Node(config, engine, ctx, allow)
             try:
                 async with trio.open_nursery() as nursery:
                     await nursery.start(node.run)
                     if config.metrics_port is not None:
                         from neuron_tai.metrics import serve_metrics  # noqa: PLC0415 - only when asked for
 
-                        await nursery.start(serve_metrics, node, config.metrics_port)
+                        await nursery.start(serve_metrics, node, config.metrics_port, config.metrics_bind)
                     log.info(
                         "serving %s layers %d-%d (%s%s) on %s%s", node.stage.model, *node.stage.layers,
                         "first " if node.stage.first else "", "last" if node.stage.last else "stage",
                         node.address, f", next stage {config.next}" if config.next else "",
                     )  # fmt: skip
+                    _warn_if_unauthenticated(config, node.address)
                     try:
                         yield node
                     finally:
@@ -408,5 +427,11 @@ async def open_node(config: NodeConfig) -> AsyncIterator[Node]:
                 node.sock.close()
                 if node.next is not None:
                     node.next.close()
-    finally:
-        ctx.term()
+
+
+def _warn_if_unauthenticated(config: NodeConfig, address: str) -> None:
+    if config.curve is None and not is_loopback(address):
+        log.warning("%s is reachable beyond this host and its links are unauthenticated and in clear: "
+                    "anyone who reaches it can use it (see --curve-secret and --allow)", address)  # fmt: skip
+    if config.next and not (config.curve and config.curve.next_key) and not is_loopback(config.next):
+        log.warning("the link to the next stage %s is unauthenticated and in clear (see --next-key)", config.next)

@@ -38,6 +38,11 @@ class NodeProcess:
             self.proc.kill()
             self.proc.wait(10)
 
+    def reload_keys(self) -> None:
+        """SIGHUP: the node rereads its allowed keys."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGHUP)
+
     def stop(self) -> int:
         if self.proc is None or self.proc.poll() is not None:
             return self.proc.returncode if self.proc else 0

@@ -392,17 +392,20 @@ def test_prometheus_endpoint_has_the_telemetry_names(tiny_model: Path) -> None:
     import urllib.request  # noqa: PLC0415
 
     node_port, port = free_ports(2)
-    node = NodeProcess(tiny_model, f"tcp://127.0.0.1:{node_port}", ["--metrics-port", str(port)])
+    extra = ["--metrics-port", str(port), "--metrics-bind", "127.0.0.2"]  # another loopback address
+    node = NodeProcess(tiny_model, f"tcp://127.0.0.1:{node_port}", extra)
     with running(node):
         text = ""
         for _ in range(50):
             try:
-                text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+                text = urllib.request.urlopen(f"http://127.0.0.2:{port}/metrics", timeout=2).read().decode()
                 break
             except OSError:
                 trio.run(trio.sleep, 0.1)
+        with pytest.raises(OSError):  # it listens on the address it was given only
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
         for name in ("sessions_active", "queue_depth", "batch_occupancy", "kv_pressure", "kv_budget_bytes",
-                     "decode_tokens_per_s", "step_seconds_bucket", "admissions"):  # fmt: skip
+                     "decode_tokens_per_s", "step_seconds_bucket", "admissions", "auth_failures_total"):  # fmt: skip
             assert f"neuron_tai_{name}" in text, name
         assert node.stop() == 0
 

@@ -220,3 +220,4 @@ def test_the_documented_client_runs_against_a_node(tiny_model: Path, tmp_path: P
             sock.close()
     assert stats["sessions_active"] == 0  # the client closed its session
     assert ("Not yet served" in section("Leases")) == ("lease_ms" not in stats)
+    assert ("Not yet served" in section("Security")) == ("curve" not in stats)

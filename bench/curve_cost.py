@@ -1,0 +1,194 @@
+"""What CurveZMQ costs: throughput with keys on every link over plain links, in one run.
+
+A single node and a 2-stage chain (layers split in two, one llama.cpp thread per stage),
+each started twice from the same flags: plain, and requiring CURVE (keys on the client
+link and, in the chain, on the link between the stages). 8 sessions at once generate
+`--steps` tokens each over ZeroMQ on loopback. Repetitions interleave plain and CURVE
+(ABBA), and the ratio is the median of the paired per-repetition ratios (CURVE over
+plain), so load drifting on a shared machine affects both sides alike. Writes
+evidence/curve.json with {single_ratio, chain2_ratio, ...} and the command.
+
+    python -m bench.curve_cost [--reps 4] [--steps 48]
+    python -m bench.curve_cost --quick        # the tiny test model: checks the script runs
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("GOMP_SPINCOUNT", "20000")  # what `neuron-tai serve` uses
+
+import argparse
+import json
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import trio
+
+from bench.common import PROMPT_TEXTS, WORK, paired_ratio, table
+from bench.processes import Processes, free_ports, node_ready, open_processes
+from neuron_tai.client import Client, open_client
+from neuron_tai.security import create_key_pair
+from neuron_tai.shard import write_stages
+
+CONCURRENCY = 8
+SERVE = ["--max-sessions", "8", "--kv-cells", "4096", "--n-batch", "512", "--max-prefill", "64", "--log-level",
+         "warning"]  # fmt: skip
+COLUMNS = ["system", "plain_tok_s", "curve_tok_s", "ratio"]
+
+ClientKeys = tuple[str, str] | None  # (the node's public key, the client's key pair), or plain
+
+
+class Keys:
+    """One key pair per node role and one for the bench's client, in a fresh directory."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        for name in ("single", "head", "tail", "client"):
+            for old in root.glob(f"{name}.key*"):
+                old.unlink()
+            create_key_pair(root, name)
+
+    def public(self, name: str) -> str:
+        return str(self.root / f"{name}.key")
+
+    def pair(self, name: str) -> str:
+        return str(self.root / f"{name}.key_secret")
+
+    def serve(self, name: str, admits: str) -> list[str]:
+        return ["--curve-secret", self.pair(name), "--allow", self.public(admits)]
+
+    def client(self, server: str) -> ClientKeys:
+        return self.public(server), self.pair("client")
+
+
+def start(procs: Processes, name: str, model: Path, threads: int, extra: list[str]) -> str:
+    address = f"tcp://127.0.0.1:{free_ports(1)[0]}"
+    cmd = [sys.executable, "-m", "neuron_tai.cli", "serve", str(model), "--bind", address, "--threads", str(threads),
+           *SERVE, *extra]  # fmt: skip
+    procs.start(name, cmd, node_ready)
+    return address
+
+
+async def one_session(client: Client, name: str, ids: list[int], steps: int) -> int:
+    await client.open(name, len(ids) + steps + 1)
+    r = await client.step(name, 0, tokens=ids)
+    for i in range(steps):
+        assert r.token is not None
+        r = await client.step(name, len(ids) + i, tokens=[r.token])
+    await client.close(name)
+    return steps + 1
+
+
+async def throughput(address: str, client_keys: ClientKeys, steps: int, tag: str) -> float:
+    """Tokens per second of CONCURRENCY sessions at once on one client connection."""
+    server_key, key = client_keys or (None, None)
+    async with open_client(address, timeout_s=300, server_key=server_key, key=key) as client:
+        prompts = [await client.tokenize(PROMPT_TEXTS[i % len(PROMPT_TEXTS)]) for i in range(CONCURRENCY)]
+        counts: list[int] = []
+
+        async def run(i: int) -> None:
+            counts.append(await one_session(client, f"{tag}-{i}", prompts[i], steps))
+
+        begin = time.perf_counter()
+        async with trio.open_nursery() as nursery:
+            for i in range(CONCURRENCY):
+                nursery.start_soon(run, i)
+        return sum(counts) / (time.perf_counter() - begin)
+
+
+async def measure(
+    systems: dict[str, dict[str, tuple[str, ClientKeys]]], reps: int, steps: int
+) -> dict[str, dict[str, list[float]]]:
+    runs: dict[str, dict[str, list[float]]] = {s: {"plain": [], "curve": []} for s in systems}
+    for links in systems.values():  # warm both up once, unmeasured
+        for kind, (address, keys) in links.items():
+            await throughput(address, keys, min(steps, 8), f"warm-{kind}")
+    for rep in range(reps):
+        order = ["plain", "curve"] if rep % 2 == 0 else ["curve", "plain"]
+        for system, links in systems.items():
+            for kind in order:
+                address, keys = links[kind]
+                rate = await throughput(address, keys, steps, f"{kind}-{rep}")
+                runs[system][kind].append(rate)
+                print(f"rep {rep + 1}/{reps} {system:7s} {kind:5s} {rate:8.1f} tok/s", flush=True)
+    return runs
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=48)
+    parser.add_argument("--quick", action="store_true", help="the tiny test model; writes under .bench/, not evidence/")
+    parser.add_argument("--out", type=Path, help="where to write the result (default: evidence/curve.json)")
+    args = parser.parse_args()
+
+    work = WORK / "curve"
+    work.mkdir(parents=True, exist_ok=True)
+    if args.quick:
+        from neuron_tai.testmodel import write_tiny_model  # noqa: PLC0415
+
+        model = write_tiny_model(work / "tiny-llama.gguf")
+        split = [(0, 2), (2, 4)]
+        args.reps, args.steps = min(args.reps, 2), min(args.steps, 8)
+        out = args.out or work / "curve-quick.json"
+    else:
+        from bench.common import gemma_path  # noqa: PLC0415
+
+        model = gemma_path()
+        split = [(0, 9), (9, 18)]
+        out = args.out or Path(__file__).resolve().parent.parent / "evidence" / "curve.json"
+    shards = write_stages(model, work / "shards", split)
+    keys = Keys(work / "keys")
+
+    with open_processes(work / "logs") as procs:
+        single_plain = start(procs, "single-plain", model, 2, [])
+        single_curve = start(procs, "single-curve", model, 2, keys.serve("single", "client"))
+        tail_plain = start(procs, "tail-plain", shards[1], 1, [])
+        head_plain = start(procs, "head-plain", shards[0], 1, ["--next", tail_plain])
+        tail_curve = start(procs, "tail-curve", shards[1], 1, keys.serve("tail", "head"))
+        chained = ["--next", tail_curve, "--next-key", keys.public("tail")]
+        head_curve = start(procs, "head-curve", shards[0], 1, [*keys.serve("head", "client"), *chained])
+        systems = {
+            "single": {"plain": (single_plain, None), "curve": (single_curve, keys.client("single"))},
+            "chain2": {"plain": (head_plain, None), "curve": (head_curve, keys.client("head"))},
+        }
+        runs = trio.run(measure, systems, args.reps, args.steps)
+        stopped = {name: procs.stop(name) for name in list(procs.running)}
+
+    rows = []
+    for system, kinds in runs.items():
+        rows.append({
+            "system": system,
+            "plain_tok_s": round(statistics.median(kinds["plain"]), 2),
+            "curve_tok_s": round(statistics.median(kinds["curve"]), 2),
+            "ratio": round(paired_ratio(kinds["curve"], kinds["plain"]), 3),
+        })  # fmt: skip
+    payload = {
+        "command": shlex.join(["python", "-m", "bench.curve_cost", *sys.argv[1:]]),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "model": model.name,
+        "single_ratio": rows[0]["ratio"],
+        "chain2_ratio": rows[1]["ratio"],
+        "concurrency": CONCURRENCY,
+        "steps": args.steps,
+        "reps": args.reps,
+        "chain2_layers": [list(s) for s in split],
+        "serve_flags": SERVE,
+        "tok_s_runs": {s: {k: [round(x, 2) for x in v] for k, v in kinds.items()} for s, kinds in runs.items()},
+        "rows": rows,
+        "node_exit_status": stopped,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(payload, indent=2) + "\n")
+    print()
+    print(table(rows, COLUMNS))
+    print(f"wrote {out}")
+    return 0 if all(code == 0 for code in stopped.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
