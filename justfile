@@ -24,11 +24,14 @@ lint: setup
 bench-setup: setup
     {{py}} -m pip install -q -e ".[bench]"
 
-# Nodes, chain, peers at concurrency 1-16, proofs, burst (evidence/DGR-012); full: kernel paths too (`quick`: tiny model).
+# Nodes, chain, peers at concurrency 1-16, proofs, burst (evidence/DGR-012); full: kernel paths, CURVE cost too.
 bench mode="full": bench-setup
     status=0; \
     {{py}} -m bench.report {{mode}} || status=$?; \
-    if [ "{{mode}}" = full ] && [ "$status" != 130 ]; then {{py}} -m bench.kernel_paths --reps 3 || status=1; fi; \
+    if [ "{{mode}}" = full ] && [ "$status" != 130 ]; then \
+        {{py}} -m bench.kernel_paths --reps 3 || status=1; \
+        {{py}} -m bench.curve_cost || status=1; \
+    fi; \
     exit $status
 
 # Decode tok/s of the bare llama_decode loop on each weight kernel path at 1 and 8 sequences.
@@ -58,3 +61,7 @@ bench-sweeps: bench-setup
     {{py}} -m bench.engine_sweep || status=1; \
     {{py}} -m bench.node_sweep || status=1; \
     exit $status
+
+# The cost of CurveZMQ links: single node and 2-stage chain at concurrency 8 (evidence/curve.json).
+bench-curve: bench-setup
+    {{py}} -m bench.curve_cost
