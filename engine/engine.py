@@ -227,7 +227,7 @@ class Engine:
         self._inbox_send, self._inbox = trio.open_memory_channel[tuple[Asked, _Reply]](config.inbox_size)
         self._cleanups: dict[tuple[Any, ...], _PendingCleanup] = {}
         # Once: asking llama.cpp about every vocabulary entry takes a while on large vocabularies.
-        eog = tuple(t for t in range(self.info.n_vocab) if backend.model.is_eog(t))[:16]
+        self.eog_tokens = frozenset(t for t in range(self.info.n_vocab) if backend.model.is_eog(t))
         self.stage = Stage(
             first=facts.first,
             last=facts.last,
@@ -236,7 +236,7 @@ class Engine:
             n_vocab=self.info.n_vocab,  # the loaded vocabulary; the header facts do not count it
             model=facts.name,
             max_step_tokens=self.scheduler.config.max_step_tokens,
-            eog_tokens=eog,
+            eog_tokens=tuple(sorted(self.eog_tokens))[:16],
         )
         self.draining = False
         self.stopped = trio.Event()
@@ -310,6 +310,11 @@ class Engine:
         """An open session's `max_tokens`; None when there is no such session."""
         found = self.scheduler.sessions.get((owner, session))
         return None if found is None else found.max_tokens
+
+    def length_of(self, owner: Any, session: str) -> int | None:
+        """An open session's length (positions its KV holds); None when there is no such session."""
+        found = self.scheduler.sessions.get((owner, session))
+        return None if found is None else found.length
 
     def count_error(self, code: ErrorCode) -> None:
         """Count an error answered outside the engine (wire, chaining) in `errors_total`."""

@@ -180,7 +180,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     async def run() -> None:
         async with open_client(args.addr, timeout_s=args.timeout, server_key=args.server_key, key=args.key) as client:
-            async for piece in client.generate(args.prompt, args.max_tokens, sampling=sampling):
+            pieces = client.generate(args.prompt, args.max_tokens, sampling=sampling, server_side=not args.step_loop)
+            async for piece in pieces:
                 print(piece, end="", flush=True)
             print()
 
@@ -312,6 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--timeout", type=float, default=60.0)
     _client_keys(gen)
+    gen.add_argument(
+        "--step-loop", action="store_true", help="run the token loop here, one step per token (default: on the node)"
+    )
     gen.set_defaults(run=_cmd_generate)
 
     stats = sub.add_parser("stats", help="print a node's telemetry")

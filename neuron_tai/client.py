@@ -4,7 +4,9 @@
         async for piece in client.generate("Once upon a time", max_new_tokens=32):
             print(piece, end="")
 
-Requests time out (`timeout_s`); steps and the read-only operations are retried on
+`generate` asks the node to run the token loop (`generate` in PROTOCOL.md: one request,
+tokens streamed back); `generate(..., server_side=False)` runs it here, one `step` per
+token. Requests time out (`timeout_s`); steps and the read-only operations are retried on
 timeout, which is safe because a resent step rewinds to its `pos` (PROTOCOL.md).
 Once the client's socket task has stopped, every waiting or new request raises
 `ClientClosed` at once instead of waiting out its timeout.
@@ -13,8 +15,8 @@ Once the client's socket task has stopped, every waiting or new request raises
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager, suppress
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable
+from contextlib import aclosing, asynccontextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +31,7 @@ from protocol.errors import ErrorCode
 from transport.requester import ClientClosed, OutboxFull, Requester
 from transport.trio_zmq import TrioSocket
 
-__all__ = ["Client", "ClientClosed", "NodeError", "StepReply", "open_client"]
+__all__ = ["Client", "ClientClosed", "Done", "Generated", "NodeError", "StepReply", "open_client"]
 
 
 class NodeError(Exception):
@@ -48,6 +50,29 @@ class StepReply:
     token: int | None = None
     logits: npt.NDArray[np.float32] | None = None
     hidden: npt.NDArray[np.float32] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Generated:
+    """Tokens of a running `generate`; the first sits at position `pos`."""
+
+    pos: int
+    tokens: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    """The end of a `generate`: why, how many tokens, the session's length after it, and (when not
+    streamed) the tokens themselves."""
+
+    reason: str
+    generated: int
+    length: int
+    tokens: list[int]
+
+
+def _ids(frame: bytes) -> list[int]:
+    return [int(t) for t in np.frombuffer(frame, "<i4")]
 
 
 class Client:
@@ -139,29 +164,91 @@ class Client:
         dtype = "<f2" if reply.get("dtype") == "f16" else "<f4"
         return StepReply(reply, hidden=np.frombuffer(frames[0], dtype).astype(np.float32).reshape(reply["n"], -1))
 
+    async def generate_tokens(
+        self,
+        session: str,
+        pos: int,
+        tokens: list[int] | npt.NDArray[np.int32],
+        max_new: int,
+        *,
+        stop: Iterable[int] = (),
+        ignore_eog: bool = False,
+        stream: bool = True,
+    ) -> AsyncGenerator[Generated | Done, None]:
+        """Server-side generation in an open session: `Generated` pieces as they come (when
+        streaming), then one `Done`. An `error` reply raises NodeError. Not retried: each reply
+        must come within `timeout_s` of the one before."""
+        data = np.asarray(tokens, "<i4")
+        header = {"op": "generate", "session": session, "pos": pos, "n": len(data), "max_new": max_new,
+                  "stop": [int(t) for t in stop], "ignore_eog": ignore_eog, "stream": stream}  # fmt: skip
+        replies = self.core.stream(header, [data.tobytes()], self.timeout_s, final_ops=("done",), most=max_new + 1)
+        try:
+            async with aclosing(replies):
+                async for reply, frames in replies:
+                    op = reply.get("op")
+                    if op == "error":
+                        raise NodeError(str(reply.get("code")), str(reply.get("message")), reply.get("retry_after_ms"))
+                    if op == "generated":
+                        yield Generated(int(reply["pos"]), _ids(frames[0]))
+                    elif op == "done":
+                        got = _ids(frames[0]) if frames else []
+                        yield Done(str(reply["reason"]), int(reply["generated"]), int(reply["length"]), got)
+        except OutboxFull as exc:
+            raise NodeError(ErrorCode.BUSY, str(exc)) from None
+
+    async def cancel(self, session: str) -> int:
+        """End the session's running `generate` (if any); the session's length afterwards."""
+        return int((await self.request({"op": "cancel", "session": session}))[0]["length"])
+
     async def generate(
-        self, prompt: str, max_new_tokens: int = 64, *, sampling: dict[str, Any] | None = None, wait_ms: int = 0
+        self,
+        prompt: str,
+        max_new_tokens: int = 64,
+        *,
+        sampling: dict[str, Any] | None = None,
+        wait_ms: int = 0,
+        server_side: bool = True,
     ) -> AsyncIterator[str]:
-        """Stream the text of a completion as it is produced; the session is closed at the end."""
+        """Stream the text of a completion as it is produced; the session is closed at the end.
+        End-of-generation tokens end it and are not part of the text."""
         ids = await self.tokenize(prompt)
         session = uuid.uuid4().hex
         opened = await self.open(session, len(ids) + max_new_tokens, sampling=sampling, wait_ms=wait_ms)
         eog = set(opened.get("stage", {}).get("eog_tokens", []))
+        tokens = self._server_loop if server_side else self._step_loop
         out: list[int] = []
         shown = ""
         try:
-            step = await self.step(session, 0, tokens=ids)
-            while step.token is not None and step.token not in eog:
-                out.append(step.token)
-                text = await self.detokenize(out)
-                if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-                    yield text[len(shown) :]
-                    shown = text
-                if len(out) >= max_new_tokens:
-                    break
-                step = await self.step(session, len(ids) + len(out) - 1, tokens=[out[-1]])
+            async with aclosing(tokens(session, ids, max_new_tokens, eog)) as produced:
+                async for token in produced:
+                    out.append(token)
+                    text = await self.detokenize(out)
+                    if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+                        yield text[len(shown) :]
+                        shown = text
         finally:
             await self.close_on_exit(session)
+
+    async def _server_loop(
+        self, session: str, ids: list[int], max_new: int, eog: set[int]
+    ) -> AsyncGenerator[int, None]:
+        async with aclosing(self.generate_tokens(session, 0, ids, max_new)) as replies:
+            async for reply in replies:
+                if isinstance(reply, Generated):
+                    for token in reply.tokens:
+                        if token in eog:
+                            return
+                        yield token
+
+    async def _step_loop(self, session: str, ids: list[int], max_new: int, eog: set[int]) -> AsyncGenerator[int, None]:
+        step = await self.step(session, 0, tokens=ids)
+        produced = 0
+        while step.token is not None and step.token not in eog:
+            yield step.token
+            produced += 1
+            if produced >= max_new:
+                return
+            step = await self.step(session, len(ids) + produced - 1, tokens=[step.token])
 
 
 @asynccontextmanager

@@ -6,14 +6,17 @@
 
 One pump task owns the ROUTER socket: it decodes and validates each message and
 answers at once what needs no waiting (ping, stats, tokenize, detokenize, errors).
-Each open, step and close becomes one handler task in the node's nursery that awaits
-the engine, then (with `next` set) the next stage, then replies: a chain looks like
-one node to a client. Handler tasks are capped per connection and in total; beyond
+Each open, step, generate and close becomes one handler task in the node's nursery that
+awaits the engine, then (with `next` set) the next stage, then replies: a chain looks
+like one node to a client. A generate's task runs the token loop itself: every token
+is one ordinary engine step (so it batches with every other session's), fed the token
+the step before it sampled. Handler tasks are capped per connection and in total; beyond
 the cap a request is answered `busy` at once, so ping and stats are never held up.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import time
@@ -43,6 +46,7 @@ from engine.messages import (
 )
 from engine.sampling import SamplingParams
 from neuron_tai.downstream import NextStage
+from neuron_tai.generation import EndReason, EndRule, Generation
 from neuron_tai.security import AllowList, ClientCurve, ServerCurve, is_loopback, make_curve_server, open_zmq_context
 from protocol.errors import ErrorCode
 from transport import wire
@@ -73,10 +77,19 @@ class NodeConfig:
     extra_stats: dict[str, Any] = field(default_factory=dict)
 
 
-R = TypeVar("R", wire.Open, wire.Step, wire.Close)
+R = TypeVar("R", wire.Open, wire.Step, wire.Generate, wire.Cancel, wire.Close)
 Handler = Callable[[bytes, R], Awaitable[None]]
 
 _OUT = {"hidden": Output.HIDDEN, "token": Output.TOKEN, "logits": Output.LOGITS}
+
+
+@dataclass(frozen=True, slots=True)
+class StepError:
+    """What a step is answered with instead of a result (already counted where it was decided)."""
+
+    code: ErrorCode
+    message: str
+    retry_after_ms: int | None = None
 
 
 def forwarded_session(peer: bytes, session: str) -> str:
@@ -120,6 +133,8 @@ class Node:
         self.handlers_refused = 0
         self.handlers_idle = trio.Event()
         self.handlers_idle.set()
+        self.generations: dict[tuple[bytes, str], Generation] = {}  # running generates, by session
+        self.generated_tokens = 0
         self._nursery: trio.Nursery | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -137,10 +152,12 @@ class Node:
         """Queue a reply; False when it cannot go out (the peer is gone or hopelessly behind)."""
         return self.pump.send_nowait([peer, *frames])
 
-    def _deliver(self, peer: bytes, session: str, frames: list[bytes]) -> None:
+    def _deliver(self, peer: bytes, session: str, frames: list[bytes]) -> bool:
         """A reply that hands the peer a session or its state: if it cannot go out, nobody owns them."""
-        if not self._send(peer, frames):
-            self.engine.cleanup_nowait(CloseRequest(peer, session))
+        if self._send(peer, frames):
+            return True
+        self.engine.cleanup_nowait(CloseRequest(peer, session))
+        return False
 
     def _error(self, peer: bytes, rid: int | None, code: ErrorCode, message: str, retry: int | None = None) -> None:
         """An error this node decided (the engine counts its own): counted in `errors_total`."""
@@ -181,6 +198,8 @@ class Node:
         stats["uptime_s"] = round(time.monotonic() - self.started, 1)
         stats["handlers_active"] = self.handlers
         stats["handlers_refused_total"] = self.handlers_refused
+        stats["generations_active"] = len(self.generations)
+        stats["generated_tokens_total"] = self.generated_tokens
         stats["curve"] = self.allow is not None
         stats["auth_failures_total"] = self.allow.failures if self.allow is not None else 0
         if self.allow is not None:
@@ -226,6 +245,10 @@ class Node:
             self._spawn(peer, rid, self._open, request)
         elif isinstance(request, wire.Step):
             self._start_step(peer, request)
+        elif isinstance(request, wire.Generate):
+            self._start_generate(peer, request)
+        elif isinstance(request, wire.Cancel):
+            self._start_cancel(peer, request)
         else:
             self._spawn(peer, rid, self._close, request)
 
@@ -322,41 +345,147 @@ class Node:
             del self.in_flight[key]
 
     async def _step(self, peer: bytes, req: wire.Step) -> None:
+        outcome = await self._run_step(peer, req)
+        if isinstance(outcome, StepError):
+            self._relay_error(peer, req.rid, outcome.code, outcome.message, outcome.retry_after_ms)
+            return
+        header, frames = outcome
+        self._deliver(peer, req.session, wire.encode(header, *frames))
+
+    async def _run_step(self, peer: bytes, req: wire.Step) -> Reply | StepError:
+        """One step through this stage and (with `next`) the rest of the chain: the `result` reply,
+        or the error to answer instead, the session left as it was before the step."""
         local_out = _OUT[req.out] if self.next is None else Output.HIDDEN
         request = StepRequest(peer, req.session, req.pos, local_out, tokens=req.tokens, hidden=req.hidden)
         result = await self.engine.request(request)
         if isinstance(result, Failure):
-            self._failure(peer, req.rid, result)
-            return
+            return StepError(result.code, result.message, result.retry_after_ms)
         assert isinstance(result, StepDone)
         if self.next is None:
-            self._deliver(peer, req.session, self._result_frames(req, result))
-            return
+            return self._result_reply(req, result)
         reply = await self._forward_step(peer, req, result)
         if reply is not None and reply[0].get("op") == "result":
             header, frames = reply
-            self._deliver(peer, req.session, wire.encode({**header, "rid": req.rid, "session": req.session}, *frames))
-            return
+            return {**header, "rid": req.rid, "session": req.session}, frames
         # The next stage did not take the step: undo it here, then tell the requester.
         await self.engine.cleanup(Rollback(peer, req.session, req.pos))
         if reply is None:
-            self._error(peer, req.rid, ErrorCode.DOWNSTREAM, "the next stage failed or did not answer; rolled back")
-        elif reply[0].get("code") == ErrorCode.UNKNOWN_SESSION:
-            self._error(peer, req.rid, ErrorCode.DOWNSTREAM,
-                        "the next stage lost this session (restarted?); resend from pos 0")  # fmt: skip
-        else:
-            self._next_stage_error(peer, req.rid, reply[0])
+            return self._node_error(ErrorCode.DOWNSTREAM, "the next stage failed or did not answer; rolled back")
+        if reply[0].get("code") == ErrorCode.UNKNOWN_SESSION:
+            return self._node_error(ErrorCode.DOWNSTREAM,
+                                    "the next stage lost this session (restarted?); resend from pos 0")  # fmt: skip
+        theirs = reply[0]
+        return StepError(ErrorCode.parse(theirs.get("code")), str(theirs.get("message", "")),
+                         theirs.get("retry_after_ms"))  # fmt: skip
+
+    def _node_error(self, code: ErrorCode, message: str) -> StepError:
+        self.engine.count_error(code)
+        return StepError(code, message)
 
     @staticmethod
-    def _result_frames(req: wire.Step, result: StepDone) -> list[bytes]:
+    def _result_reply(req: wire.Step, result: StepDone) -> Reply:
         header: dict[str, Any] = {"op": "result", "rid": req.rid, "session": req.session, "pos": req.pos,
                                   "n": req.n, "out": req.out}  # fmt: skip
         if result.hidden is not None:
             header["dtype"] = req.out_dtype
-            return wire.encode(header, wire.hidden_frame(result.hidden, req.out_dtype))
+            return header, [wire.hidden_frame(result.hidden, req.out_dtype)]
         if result.logits is not None:
-            return wire.encode(header, np.asarray(result.logits, "<f4").tobytes())
-        return wire.encode(header, np.array([result.token], "<i4").tobytes())
+            return header, [np.asarray(result.logits, "<f4").tobytes()]
+        return header, [np.array([result.token], "<i4").tobytes()]
+
+    # -- server-side generation -----------------------------------------------------------
+
+    def _start_generate(self, peer: bytes, req: wire.Generate) -> None:
+        """Refuse at once what needs no engine; otherwise the run holds the session until `done`."""
+        stage, key = self.stage, (peer, req.session)
+        if not stage.first:
+            where = f"this stage (layers {stage.layers}) takes hidden input: generate at the chain's head"
+            self._error(peer, req.rid, ErrorCode.WRONG_STAGE, where)
+            return
+        if self.next is None and not stage.last:
+            self._error(peer, req.rid, ErrorCode.WRONG_STAGE,
+                        f"this stage (layers {stage.layers}) cannot sample tokens and has no next stage")  # fmt: skip
+            return
+        if self.in_flight[key] and self.engine.max_tokens_of(peer, req.session) is not None:
+            self._error(peer, req.rid, ErrorCode.BUSY, "the session already has a step in flight", self._retry_ms())
+            return
+        run = Generation()
+        handler = functools.partial(self._generate, run=run)
+        if self._spawn(peer, req.rid, handler, req, on_exit=lambda: self._generation_done(key, run)):
+            self.in_flight[key] += 1
+            self.generations[key] = run
+
+    def _generation_done(self, key: tuple[bytes, str], run: Generation) -> None:
+        run.finished.set()
+        if self.generations.get(key) is run:
+            del self.generations[key]
+        self._step_done(key)
+
+    async def _generate(self, peer: bytes, req: wire.Generate, *, run: Generation) -> None:
+        """Step, sample, feed the token back, until a token or `cancel` ends the run; stream as it goes.
+
+        Tokens are held back (and later sent several to a message) while the peer's pipe is
+        full, so a slow reader costs one growing list bounded by `max_new`, not a message queue.
+        """
+        rule = EndRule(req.max_new, req.stop, frozenset() if req.ignore_eog else self.engine.eog_tokens)
+        pos, feed = req.pos, req.tokens
+        produced: list[int] = []
+        held = 0  # the last `held` tokens of `produced` are not streamed yet
+        reason: EndReason | None = None
+        while reason is None:
+            if run.cancel.is_set():
+                reason = EndReason.CANCELLED
+                break
+            step = wire.Step(req.rid, req.session, pos, len(feed), "tokens", "token", "f32", tokens=feed)
+            outcome = await self._run_step(peer, step)
+            if isinstance(outcome, StepError):
+                if held and not self._stream(peer, req, produced, held):
+                    return
+                run.length = self.engine.length_of(peer, req.session) or 0
+                frames = wire.encode_error(req.rid, outcome.code, outcome.message, outcome.retry_after_ms,
+                                           session=req.session, length=run.length)  # fmt: skip
+                self._send(peer, frames)
+                return
+            token = int(np.frombuffer(outcome[1][0], "<i4")[0])
+            produced.append(token)
+            self.generated_tokens += 1
+            pos, feed = pos + len(feed), np.array([token], np.int32)
+            max_tokens = self.engine.max_tokens_of(peer, req.session)
+            reason = rule.reason(token, len(produced), pos, pos + 1 if max_tokens is None else max_tokens)
+            if req.stream:
+                held += 1
+                if reason is not None or not self.pump.backlog(peer):
+                    if not self._stream(peer, req, produced, held):
+                        return  # the peer is gone: its session is being freed
+                    held = 0
+        run.length = pos if produced else (self.engine.length_of(peer, req.session) or 0)
+        header = {"op": "done", "rid": req.rid, "session": req.session, "reason": str(reason),
+                  "generated": len(produced), "length": run.length}  # fmt: skip
+        payload = [] if req.stream else [np.array(produced, "<i4").tobytes()]
+        self._deliver(peer, req.session, wire.encode(header, *payload))
+
+    def _stream(self, peer: bytes, req: wire.Generate, produced: list[int], held: int) -> bool:
+        """Send the last `held` tokens of `produced` as one `generated` message."""
+        first = len(produced) - held
+        header = {"op": "generated", "rid": req.rid, "session": req.session, "pos": req.pos + req.n + first,
+                  "n": held}  # fmt: skip
+        return self._deliver(peer, req.session, wire.encode(header, np.array(produced[first:], "<i4").tobytes()))
+
+    def _start_cancel(self, peer: bytes, req: wire.Cancel) -> None:
+        """A session that is not generating is answered at once; otherwise once its `done` is out."""
+        run = self.generations.get((peer, req.session))
+        if run is None:
+            self._send(peer, self._cancelled(req, self.engine.length_of(peer, req.session) or 0))
+        elif self._spawn(peer, req.rid, functools.partial(self._cancel, run=run), req):
+            run.cancel.set()
+
+    async def _cancel(self, peer: bytes, req: wire.Cancel, *, run: Generation) -> None:
+        await run.finished.wait()
+        self._send(peer, self._cancelled(req, run.length))
+
+    @staticmethod
+    def _cancelled(req: wire.Cancel, length: int) -> list[bytes]:
+        return wire.encode({"op": "cancelled", "rid": req.rid, "session": req.session, "length": length})
 
     async def _forward_step(self, peer: bytes, req: wire.Step, local: StepDone) -> Reply | None:
         """The next stage's reply to this step. If it lost the session (it restarted) and the
@@ -376,6 +505,10 @@ class Node:
         return await self.next.request(header, payload)
 
     async def _close(self, peer: bytes, req: wire.Close) -> None:
+        run = self.generations.get((peer, req.session))
+        if run is not None:  # its `done` goes out before `closed`
+            run.cancel.set()
+            await run.finished.wait()
         result = await self.engine.request(CloseRequest(peer, req.session))
         if isinstance(result, Failure):
             self._failure(peer, req.rid, result)
@@ -390,6 +523,9 @@ class Node:
     def _peer_gone(self, peer: bytes) -> None:
         self.peers_gone += 1
         log.info("peer %s is gone: freeing its sessions", peer.hex())
+        for key, run in self.generations.items():
+            if key[0] == peer:
+                run.cancel.set()
         self.engine.cleanup_nowait(DropOwner(peer))
 
 

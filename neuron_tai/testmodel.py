@@ -50,6 +50,7 @@ class TinySpec:
     sliding_window: int = 0  # gemma3 only: window of its sliding-window layers
     seed: int = 1234
     quant: str = "f32"  # a key of FILE_TYPES: "q4_k_m" is mostly Q4_K, some Q6_K, F32 norms
+    eos_token: int = 2  # end of generation; another id gives the same weights a different end
 
 
 def vocabulary() -> tuple[list[str], list[float], list[int]]:
@@ -130,7 +131,7 @@ def _write_f32(path: Path, spec: TinySpec) -> Path:
     w.add_token_scores(scores)
     w.add_token_types(types)
     w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
+    w.add_eos_token_id(spec.eos_token)
     w.add_unk_token_id(0)
     w.add_add_bos_token(True)
     w.add_add_eos_token(False)

@@ -365,6 +365,9 @@ def test_cli_serve_help_and_stats(tiny_model: Path, capsys: pytest.CaptureFixtur
         out = capsys.readouterr().out
         assert "sessions_active" in out and "kv_budget_bytes" in out
         assert main(["generate", "--addr", node.address, "--max-tokens", "4", "the cat"]) == 0
+        on_node = capsys.readouterr().out
+        assert main(["generate", "--addr", node.address, "--max-tokens", "4", "--step-loop", "the cat"]) == 0
+        assert capsys.readouterr().out == on_node  # greedy: the same text either way
         assert node.stop() == 0
     assert main(["stats", "--addr", f"tcp://127.0.0.1:{nobody}", "--timeout", "0.2"]) == 2
     assert "no reply to 'stats'" in capsys.readouterr().err

@@ -51,6 +51,11 @@ class SocketPump:
         self.sock.wake()
         return True
 
+    def backlog(self, peer: bytes) -> int:
+        """Messages held back for `peer` because its pipe is full (0 while it keeps up)."""
+        queue = self._parked.get(peer)
+        return 0 if queue is None else len(queue)
+
     @property
     def queued(self) -> int:
         return len(self._outbox) + sum(len(q) for q in self._parked.values())

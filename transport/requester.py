@@ -3,13 +3,17 @@
 The core both the client library and a node's link to its next stage are built on.
 One pump task owns the socket; every waiting request holds a one-shot channel keyed
 by the rid it was sent with. A reply nobody waits for any more (timed out, cancelled)
-is dropped. When the pump stops, for whatever reason, every waiting request and every
-later one raises `ClientClosed` at once instead of waiting out its timeout.
+is dropped. A streamed request (`stream`) takes every reply with its rid until a final
+one, into a buffer its caller sizes to the most replies it can get. When the pump stops,
+for whatever reason, every waiting request and every later one raises `ClientClosed`
+at once instead of waiting out its timeout.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import AsyncGenerator, Collection
+from dataclasses import dataclass
 from typing import Any
 
 import trio
@@ -29,12 +33,20 @@ class OutboxFull(Exception):
     """The socket's outbox is full: the request was not sent."""
 
 
+@dataclass(slots=True)
+class _Waiting:
+    """Where the replies to one rid go; with `final_ops`, every reply until one of those ops."""
+
+    send: trio.MemorySendChannel[Reply]
+    final_ops: Collection[str] | None = None
+
+
 class Requester:
     def __init__(self, sock: TrioSocket, *, max_outbox: int = 4096) -> None:
         self.sock = sock
         self.pump = SocketPump(sock, self._on_message, max_outbox=max_outbox)
         self._rids = itertools.count(1)
-        self._waiting: dict[int, trio.MemorySendChannel[Reply]] = {}
+        self._waiting: dict[int, _Waiting] = {}
         self.closed = False
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -43,17 +55,25 @@ class Requester:
             await self.pump.run(task_status=task_status)
         finally:
             self.closed = True
-            for send in self._waiting.values():
-                send.close()
+            for waiting in self._waiting.values():
+                waiting.send.close()
 
     def _on_message(self, frames: list[bytes]) -> None:
         try:
             header, payload = decode_reply(frames)
         except Exception:  # a broken reply is the peer's fault; there is nothing to match it to
             return
-        send = self._waiting.pop(header.get("rid", -1), None)
-        if send is not None:
-            send.send_nowait((header, payload))
+        rid = header.get("rid", -1)
+        waiting = self._waiting.get(rid)
+        if waiting is None:
+            return
+        if waiting.final_ops is None or header.get("op") in waiting.final_ops or header.get("op") == "error":
+            del self._waiting[rid]
+        try:
+            waiting.send.send_nowait((header, payload))
+        except trio.WouldBlock:  # more replies than the caller said it could get: the peer broke the contract
+            del self._waiting[rid]
+            waiting.send.close()
 
     async def request(self, header: dict[str, Any], payload: list[bytes], timeout_s: float) -> Reply:
         """The reply, `error` replies included. TimeoutError, ClientClosed or OutboxFull otherwise."""
@@ -62,7 +82,7 @@ class Requester:
             raise ClientClosed(f"{header.get('op')!r}: the client is closed")
         rid = next(self._rids)
         send, recv = trio.open_memory_channel[Reply](1)
-        self._waiting[rid] = send
+        self._waiting[rid] = _Waiting(send)
         try:
             if not self.pump.send_nowait(encode({**header, "rid": rid}, *payload)):
                 await trio.lowlevel.checkpoint()
@@ -74,5 +94,37 @@ class Requester:
                     await trio.lowlevel.checkpoint_if_cancelled()
                     raise ClientClosed(f"{header.get('op')!r}: the client closed while waiting") from None
             raise TimeoutError(f"no reply to {header.get('op')!r} within {timeout_s}s")
+        finally:
+            self._waiting.pop(rid, None)
+
+    async def stream(
+        self, header: dict[str, Any], payload: list[bytes], timeout_s: float, *, final_ops: Collection[str], most: int
+    ) -> AsyncGenerator[Reply, None]:
+        """Every reply to one request up to and including the first whose op is in `final_ops` (or
+        an `error`). At most `most` replies are buffered; each must come within `timeout_s` of the
+        one before. TimeoutError, ClientClosed or OutboxFull otherwise."""
+        if self.closed:
+            await trio.lowlevel.checkpoint_if_cancelled()
+            raise ClientClosed(f"{header.get('op')!r}: the client is closed")
+        rid = next(self._rids)
+        send, recv = trio.open_memory_channel[Reply](most)
+        self._waiting[rid] = _Waiting(send, final_ops)
+        try:
+            if not self.pump.send_nowait(encode({**header, "rid": rid}, *payload)):
+                await trio.lowlevel.checkpoint()
+                raise OutboxFull(f"{header.get('op')!r}: the outbox is full")
+            while True:
+                reply = None
+                with trio.move_on_after(timeout_s):  # never across a yield: the caller runs in between
+                    try:
+                        reply = await recv.receive()
+                    except trio.EndOfChannel:
+                        await trio.lowlevel.checkpoint_if_cancelled()
+                        raise ClientClosed(f"{header.get('op')!r}: the reply stream ended early") from None
+                if reply is None:
+                    raise TimeoutError(f"no reply to {header.get('op')!r} within {timeout_s}s")
+                yield reply
+                if reply[0].get("op") in final_ops or reply[0].get("op") == "error":
+                    return
         finally:
             self._waiting.pop(rid, None)

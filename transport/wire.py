@@ -62,6 +62,27 @@ class Step:
 
 
 @dataclass(frozen=True, slots=True)
+class Generate:
+    """Server-side generation: a token step, then the node feeds back each token it samples."""
+
+    rid: int
+    session: str
+    pos: int
+    n: int
+    tokens: npt.NDArray[np.int32]
+    max_new: int
+    stop: frozenset[int] = frozenset()
+    ignore_eog: bool = False
+    stream: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    rid: int
+    session: str
+
+
+@dataclass(frozen=True, slots=True)
 class Close:
     rid: int
     session: str
@@ -90,7 +111,7 @@ class Ping:
     rid: int
 
 
-Request = Open | Step | Close | Tokenize | Detokenize | Stats | Ping
+Request = Open | Step | Generate | Cancel | Close | Tokenize | Detokenize | Stats | Ping
 
 
 # -- decoding ------------------------------------------------------------------------------
@@ -119,6 +140,13 @@ def _str(h: dict[str, Any], key: str, rid: int | None, choices: tuple[str, ...] 
         raise WireError(ErrorCode.BAD_REQUEST, f"{key!r} must be a string", rid)
     if choices and v not in choices:
         raise WireError(ErrorCode.BAD_REQUEST, f"{key!r} must be one of {', '.join(choices)}", rid)
+    return v
+
+
+def _bool(h: dict[str, Any], key: str, rid: int, default: bool) -> bool:
+    v = h.get(key, default)
+    if not isinstance(v, bool):
+        raise WireError(ErrorCode.BAD_REQUEST, f"{key!r} must be a boolean", rid)
     return v
 
 
@@ -186,7 +214,7 @@ def decode_request(frames: list[bytes], n_embd: int) -> Request:
         raise WireError(ErrorCode.BAD_REQUEST, "'rid' must be an integer in [0, 2**63)")
     op = header.get("op")
     payload = frames[1:]
-    if op in ("open", "close", "tokenize", "stats", "ping") and payload:
+    if op in ("open", "close", "cancel", "tokenize", "stats", "ping") and payload:
         raise WireError(ErrorCode.BAD_REQUEST, f"{op!r} takes no payload frames", rid)
     if op == "ping":
         return Ping(rid)
@@ -199,15 +227,16 @@ def decode_request(frames: list[bytes], n_embd: int) -> Request:
         )  # fmt: skip
     if op == "close":
         return Close(rid, _session(header, rid))
+    if op == "cancel":
+        return Cancel(rid, _session(header, rid))
     if op == "tokenize":
-        add = header.get("add_special", True)
-        if not isinstance(add, bool):
-            raise WireError(ErrorCode.BAD_REQUEST, "'add_special' must be a boolean", rid)
-        return Tokenize(rid, _str(header, "text", rid), add)
+        return Tokenize(rid, _str(header, "text", rid), _bool(header, "add_special", rid, True))
     if op == "detokenize":
         return Detokenize(rid, _int32_frame(_one_frame(payload, rid), None, rid))
     if op == "step":
         return _step(header, payload, rid, n_embd)
+    if op == "generate":
+        return _generate(header, payload, rid)
     raise WireError(ErrorCode.BAD_REQUEST, f"unknown op {op!r}", rid)
 
 
@@ -233,6 +262,21 @@ def _step(h: dict[str, Any], payload: list[bytes], rid: int, n_embd: int) -> Ste
     return Step(rid, session, pos, n, kind, out, out_dtype, hidden=hidden.astype(np.float32))
 
 
+def _generate(h: dict[str, Any], payload: list[bytes], rid: int) -> Generate:
+    session = _session(h, rid)
+    pos = _int(h, "pos", rid, lo=0)
+    n = _int(h, "n", rid, lo=1)
+    max_new = _int(h, "max_new", rid, lo=1)
+    stop = h.get("stop", [])
+    if not isinstance(stop, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop):
+        raise WireError(ErrorCode.BAD_REQUEST, "'stop' must be a list of token ids", rid)
+    tokens = _int32_frame(_one_frame(payload, rid), n, rid)
+    return Generate(
+        rid, session, pos, n, tokens, max_new, frozenset(stop),
+        _bool(h, "ignore_eog", rid, False), _bool(h, "stream", rid, True),
+    )  # fmt: skip
+
+
 # -- encoding ------------------------------------------------------------------------------
 
 
@@ -240,8 +284,10 @@ def encode(header: dict[str, Any], *payload: bytes) -> list[bytes]:
     return [msgpack.packb({"v": VERSION, **header}, use_bin_type=True), *payload]
 
 
-def encode_error(rid: int | None, code: ErrorCode, message: str, retry_after_ms: int | None = None) -> list[bytes]:
-    header: dict[str, Any] = {"op": "error", "rid": rid, "code": str(code), "message": message}
+def encode_error(
+    rid: int | None, code: ErrorCode, message: str, retry_after_ms: int | None = None, **extra: Any
+) -> list[bytes]:
+    header: dict[str, Any] = {**extra, "op": "error", "rid": rid, "code": str(code), "message": message}
     if code.retryable:
         header["retry_after_ms"] = int(retry_after_ms if retry_after_ms is not None else 100)
     return encode(header)

@@ -1,0 +1,55 @@
+"""Server-side generation (`generate`): what one run knows, and when it ends.
+
+The node's handler task for a `generate` owns the run: it steps the session, feeds each
+sampled token back as the next step, and streams the tokens. Other requests reach the
+run only through `Generation`: `cancel` and `close` ask it to stop and wait until it
+has answered `done`, so their own replies come after it.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import trio
+
+
+class EndReason(enum.StrEnum):
+    """`done.reason`."""
+
+    EOG = "eog"
+    STOP = "stop"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+
+
+@dataclass(slots=True)
+class Generation:
+    """One running `generate`: a stop request from outside, and its end for those who wait on it."""
+
+    cancel: trio.Event = field(default_factory=trio.Event)
+    finished: trio.Event = field(default_factory=trio.Event)
+    length: int = 0  # the session's length once finished
+
+
+@dataclass(frozen=True, slots=True)
+class EndRule:
+    """When a run ends, apart from `cancel`: the request's limits and the tokens that stop it."""
+
+    max_new: int
+    stop: frozenset[int]
+    eog: frozenset[int]  # empty with `ignore_eog`
+
+    def reason(self, token: int, generated: int, length: int, max_tokens: int) -> EndReason | None:
+        """Why the run ends after `token`, its `generated`-th, left the session at `length`; None: go on.
+
+        The token itself is not in the KV yet: it needs position `length`, which must lie
+        below `max_tokens`.
+        """
+        if token in self.stop:
+            return EndReason.STOP
+        if token in self.eog:
+            return EndReason.EOG
+        if generated >= self.max_new or length >= max_tokens:
+            return EndReason.LENGTH
+        return None

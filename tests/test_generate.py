@@ -1,0 +1,373 @@
+"""Server-side generation (`generate`, `cancel`) on real nodes with the tiny model, greedy."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+import trio
+import zmq
+
+from neuron_tai.client import Client, Done, Generated, NodeError, open_client
+from neuron_tai.node import Node, NodeConfig, open_node
+from neuron_tai.testmodel import TinySpec, write_tiny_model
+from tests.test_node import engine_config, node_and_client, prompt
+
+IDS = prompt(1, 8)
+
+
+async def step_path(client: Client, session: str, ids: list[int], count: int) -> list[int]:
+    """`count` greedy tokens the client way: one step per token."""
+    r = await client.step(session, 0, tokens=ids)
+    out: list[int] = []
+    while True:
+        assert r.token is not None
+        out.append(r.token)
+        if len(out) == count:
+            return out
+        r = await client.step(session, len(ids) + len(out) - 1, tokens=[r.token])
+
+
+async def generate(client: Client, session: str, pos: int, ids: list[int], max_new: int, **kw: Any) -> Done:
+    """Run one generate; the tokens (streamed or not) go into the returned Done's `tokens`."""
+    streamed: list[int] = []
+    done = None
+    async for reply in client.generate_tokens(session, pos, ids, max_new, **kw):
+        if isinstance(reply, Generated):
+            assert reply.pos == pos + len(ids) + len(streamed), "streamed positions are contiguous"
+            streamed += reply.tokens
+        else:
+            done = reply
+    assert done is not None
+    if kw.get("stream", True):
+        assert done.tokens == []
+        return Done(done.reason, done.generated, done.length, streamed)
+    return done
+
+
+@contextmanager
+def held_decodes(node: Node) -> Iterator[tuple[threading.Event, threading.Event]]:
+    """Every llama_decode waits for `release` (after setting `entered`): the node stays mid-step."""
+    entered, release = threading.Event(), threading.Event()
+    original = node.engine.backend.decode
+
+    def held(segments: Any) -> Any:  # runs on the compute thread
+        entered.set()
+        release.wait(60)
+        return original(segments)
+
+    node.engine.backend.decode = held  # type: ignore[method-assign]
+    try:
+        yield entered, release
+    finally:
+        release.set()
+        node.engine.backend.decode = original  # type: ignore[method-assign]
+
+
+def stop_asked(node: Node) -> bool:
+    """The node's running generates have all been asked to stop."""
+    return bool(node.generations) and all(run.cancel.is_set() for run in node.generations.values())
+
+
+async def wait_until(condition: Any) -> None:
+    for _ in range(2000):
+        if condition():
+            return
+        await trio.sleep(0.005)
+    raise AssertionError("condition never held")
+
+
+class RawPeer:
+    """A DEALER speaking the wire protocol directly, to see replies in the order they arrive."""
+
+    def __init__(self, address: str) -> None:
+        self.sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+
+    def send(self, header: dict[str, Any], *payload: bytes) -> None:
+        self.sock.send_multipart([msgpack.packb({"v": 1, **header}), *payload])
+
+    async def recv(self) -> tuple[dict[str, Any], list[bytes]]:
+        for _ in range(2000):
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+                return msgpack.unpackb(frames[0]), frames[1:]
+            except zmq.Again:
+                await trio.sleep(0.005)
+        raise AssertionError("no reply")
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def int32(ids: list[int]) -> bytes:
+    return np.array(ids, "<i4").tobytes()
+
+
+# -- the same tokens as the step path ----------------------------------------------------------
+
+
+async def test_streamed_and_whole_generations_equal_the_step_path(tiny_model: Path) -> None:
+    async with node_and_client(tiny_model) as (_node, c):
+        await c.open("s", 40)
+        expected = await step_path(c, "s", IDS, 12)
+        streamed = await generate(c, "s", 0, IDS, 12, ignore_eog=True)
+        whole = await generate(c, "s", 0, IDS, 12, ignore_eog=True, stream=False)
+        assert streamed == whole == Done("length", 12, len(IDS) + 11, expected)
+        # The last token is not in the KV yet: the session continues with it at `length`.
+        assert (await c.step("s", whole.length, tokens=[expected[-1]])).token is not None
+        stats = await c.stats()
+        assert stats["generated_tokens_total"] == 24 and stats["generations_active"] == 0
+
+
+async def test_stop_tokens_end_the_run_and_are_returned(tiny_model: Path) -> None:
+    async with node_and_client(tiny_model) as (_node, c):
+        await c.open("s", 40)
+        expected = await step_path(c, "s", IDS, 12)
+        stop = expected[5]
+        k = expected.index(stop)
+        done = await generate(c, "s", 0, IDS, 12, stop=[stop, 99999])
+        assert done == Done("stop", k + 1, len(IDS) + k, expected[: k + 1])
+
+
+async def test_end_of_generation_token_ends_the_run(tiny_model: Path, model_dir: Path) -> None:
+    async with node_and_client(tiny_model) as (_node, c):
+        await c.open("s", 40)
+        expected = await step_path(c, "s", IDS, 12)
+    # The same weights, with a token the model emits declared its end of generation.
+    eos = expected[4]
+    k = expected.index(eos)
+    model = write_tiny_model(model_dir / "tiny-llama-eos.gguf", TinySpec(eos_token=eos))
+    async with node_and_client(model) as (_node, c):
+        opened = await c.open("s", 40)
+        assert eos in opened["stage"]["eog_tokens"]
+        assert await generate(c, "s", 0, IDS, 12) == Done("eog", k + 1, len(IDS) + k, expected[: k + 1])
+        assert await generate(c, "s", 0, IDS, 12, ignore_eog=True, stream=False) == Done(
+            "length", 12, len(IDS) + 11, expected
+        )
+        # The client's text generation stops at it too, on both paths.
+        text = "".join([p async for p in c.generate("the cat", 8)])
+        assert text == "".join([p async for p in c.generate("the cat", 8, server_side=False)])
+
+
+async def test_length_by_max_new_and_by_max_tokens(tiny_model: Path) -> None:
+    async with node_and_client(tiny_model) as (_node, c):
+        await c.open("s", len(IDS) + 3)
+        expected = await step_path(c, "s", IDS, 4)
+        # max_tokens = 11: positions 8, 9, 10 take generated tokens 1-3; token 4 has no room.
+        assert await generate(c, "s", 0, IDS, 50, ignore_eog=True) == Done("length", 4, len(IDS) + 3, expected)
+        assert await generate(c, "s", 0, IDS, 2, ignore_eog=True) == Done("length", 2, len(IDS) + 1, expected[:2])
+
+
+async def test_continuing_with_step_or_generate_equals_one_longer_run(tiny_model: Path) -> None:
+    async with node_and_client(tiny_model) as (_node, c):
+        await c.open("s", 40)
+        single = await generate(c, "s", 0, IDS, 10, ignore_eog=True)
+        first = await generate(c, "s", 0, IDS, 4, ignore_eog=True)
+        second = await generate(c, "s", first.length, [first.tokens[-1]], 6, ignore_eog=True, stream=False)
+        assert first.tokens + second.tokens == single.tokens and second.length == single.length
+        first = await generate(c, "s", 0, IDS, 4, ignore_eog=True)
+        stepped = await c.step("s", first.length, tokens=[first.tokens[-1]])
+        assert stepped.token == single.tokens[4]
+
+
+# -- cancel, close, busy -------------------------------------------------------------------------
+
+
+async def test_cancel_ends_the_run_at_the_next_token(tiny_model: Path) -> None:
+    async with node_and_client(tiny_model) as (node, c):
+        await c.open("s", 40)
+        expected = await step_path(c, "s", IDS, 12)
+        assert await c.cancel("s") == len(IDS) + 11  # not generating: answered at once
+        assert await c.cancel("nobody") == 0
+        peer = RawPeer(node.address)
+        try:
+            peer.send({"op": "open", "rid": 1, "session": "s", "max_tokens": 40})
+            assert (await peer.recv())[0]["op"] == "opened"
+            with held_decodes(node) as (entered, release):
+                peer.send({"op": "generate", "rid": 2, "session": "s", "pos": 0, "n": 8, "max_new": 30,
+                           "ignore_eog": True}, int32(IDS))  # fmt: skip
+                await wait_until(entered.is_set)  # the prompt step is inside llama_decode
+                peer.send({"op": "cancel", "rid": 3, "session": "s"})
+                await wait_until(lambda: stop_asked(node))
+                release.set()
+                replies = [await peer.recv() for _ in range(3)]
+        finally:
+            peer.close()
+        (gen, tokens), (done, _), (cancelled, _) = replies
+        assert gen["op"] == "generated" and gen["rid"] == 2 and gen["pos"] == 8 and gen["session"] == "s"
+        assert np.frombuffer(tokens[0], "<i4").tolist() == expected[:1]
+        assert done == {"v": 1, "op": "done", "rid": 2, "session": "s", "reason": "cancelled", "generated": 1,
+                        "length": 8}  # fmt: skip
+        assert cancelled == {"v": 1, "op": "cancelled", "rid": 3, "session": "s", "length": 8}
+
+
+async def test_close_during_a_run_answers_done_before_closed(tiny_model: Path) -> None:
+    async with node_and_client(tiny_model) as (node, c):
+        peer = RawPeer(node.address)
+        try:
+            peer.send({"op": "open", "rid": 1, "session": "s", "max_tokens": 40})
+            assert (await peer.recv())[0]["op"] == "opened"
+            with held_decodes(node) as (entered, release):
+                peer.send({"op": "generate", "rid": 2, "session": "s", "pos": 0, "n": 8, "max_new": 30,
+                           "stream": False}, int32(IDS))  # fmt: skip
+                await wait_until(entered.is_set)
+                peer.send({"op": "close", "rid": 3, "session": "s"})
+                await wait_until(lambda: stop_asked(node))
+                release.set()
+                (done, payload), (closed, _) = [await peer.recv() for _ in range(2)]
+        finally:
+            peer.close()
+        assert done["op"] == "done" and done["reason"] == "cancelled" and done["generated"] == 1
+        assert len(payload) == 1 and len(np.frombuffer(payload[0], "<i4")) == 1
+        assert closed["op"] == "closed" and closed["existed"] is True
+        assert (await c.stats())["sessions_active"] == 0
+
+
+async def test_a_generating_session_is_busy(tiny_model: Path) -> None:
+    async with node_and_client(tiny_model) as (node, c):
+        c.retries = 0
+        await c.open("s", 40)
+        await c.open("other", 40)
+        outcome: list[Done] = []
+
+        async def run() -> None:
+            outcome.append(await generate(c, "s", 0, IDS, 30, ignore_eog=True))
+
+        with held_decodes(node) as (entered, release):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(run)
+                await wait_until(entered.is_set)
+                for attempt in (c.step("s", 0, tokens=IDS), generate(c, "s", 0, IDS, 3)):
+                    with pytest.raises(NodeError) as info:
+                        await attempt
+                    assert info.value.code == "busy" and info.value.retry_after_ms
+                assert (await c.stats())["generations_active"] == 1
+                release.set()
+                await c.cancel("s")
+        assert outcome[0].reason == "cancelled" and outcome[0].generated == 1
+        # Free again: another run, the same tokens as in a session that was never generating.
+        again = await generate(c, "s", 0, IDS, 3, ignore_eog=True)
+        assert again.tokens == (await generate(c, "other", 0, IDS, 3, ignore_eog=True)).tokens
+        assert again.tokens[:1] == outcome[0].tokens
+
+
+async def test_a_vanished_reader_ends_the_run_and_frees_the_session(tiny_model: Path) -> None:
+    async with node_and_client(tiny_model) as (node, watcher):
+        peer = RawPeer(node.address)
+        peer.send({"op": "open", "rid": 1, "session": "gone", "max_tokens": 1000})
+        assert (await peer.recv())[0]["op"] == "opened"
+        peer.send({"op": "generate", "rid": 2, "session": "gone", "pos": 0, "n": 8, "max_new": 900,
+                   "ignore_eog": True}, int32(IDS))  # fmt: skip
+        assert (await peer.recv())[0]["op"] == "generated"
+        peer.close()  # vanish mid-run
+        await wait_until(lambda: not node.generations and not node.engine.scheduler.sessions)
+        stats = await watcher.stats()
+        assert stats["sessions_active"] == 0 and stats["peers_gone_total"] >= 1
+        assert stats["generated_tokens_total"] < 900
+
+
+async def test_tokens_are_held_back_while_the_reader_is_behind(tiny_model: Path) -> None:
+    """A stand-in for a full pipe (the pump reports a backlog for the first tokens): those are
+    sent together once it clears, none lost, none repeated."""
+    async with node_and_client(tiny_model) as (node, c):
+        await c.open("s", 40)
+        expected = await generate(c, "s", 0, IDS, 12, ignore_eog=True)
+        calls = 0
+
+        def fake_backlog(_peer: bytes) -> int:
+            nonlocal calls
+            calls += 1
+            return 1 if calls <= 5 else 0
+
+        node.pump.backlog = fake_backlog  # type: ignore[method-assign,assignment]
+        pieces = [r async for r in c.generate_tokens("s", 0, IDS, 12, ignore_eog=True)]
+        messages = [p for p in pieces if isinstance(p, Generated)]
+        assert [len(m.tokens) for m in messages] == [6, 1, 1, 1, 1, 1, 1]
+        assert [t for m in messages for t in m.tokens] == expected.tokens
+
+
+# -- batching ----------------------------------------------------------------------------------
+
+
+async def test_concurrent_runs_share_decode_batches(tiny_model: Path) -> None:
+    async with node_and_client(tiny_model, max_sessions=8) as (_node, c):
+        solo: list[list[int]] = []
+        for i in range(8):
+            await c.open(f"s{i}", 60)
+            solo.append((await generate(c, f"s{i}", 0, prompt(i, 8), 40, ignore_eog=True)).tokens)
+        before = await c.stats()
+        together: dict[int, list[int]] = {}
+
+        async def run(i: int) -> None:
+            together[i] = (await generate(c, f"s{i}", 0, prompt(i, 8), 40, ignore_eog=True)).tokens
+
+        async with trio.open_nursery() as nursery:
+            for i in range(8):
+                nursery.start_soon(run, i)
+        after = await c.stats()
+        rows = after["decode_rows_total"] - before["decode_rows_total"]
+        batches = after["decode_batches_total"] - before["decode_batches_total"]
+        assert rows == 8 * 39  # every generated token after the first is one decode row
+        assert rows / batches > 4, (rows, batches)  # one at a time would be 1 row per batch
+        assert [together[i] for i in range(8)] == solo
+
+
+# -- chains and errors -------------------------------------------------------------------------
+
+
+@asynccontextmanager
+async def chain(shards: list[Path]) -> AsyncIterator[tuple[Node, Node]]:
+    async with open_node(NodeConfig(engine_config(shards[1]), bind="tcp://127.0.0.1:0")) as tail:
+        cfg = NodeConfig(engine_config(shards[0]), bind="tcp://127.0.0.1:0", next=tail.address)
+        async with open_node(cfg) as head:
+            yield head, tail
+
+
+async def test_a_two_stage_chain_generates_what_one_node_does(tiny_model: Path, tiny_shards2: list[Path]) -> None:
+    async with node_and_client(tiny_model) as (_node, one):
+        await one.open("s", 40)
+        expected = await generate(one, "s", 0, IDS, 16, ignore_eog=True)
+        stopped = await generate(one, "s", 0, IDS, 16, stop=[expected.tokens[6]])
+    async with chain(tiny_shards2) as (head, tail), open_client(head.address, timeout_s=10) as c:
+        await c.open("s", 40)
+        assert await generate(c, "s", 0, IDS, 16, ignore_eog=True) == expected
+        assert await generate(c, "s", 0, IDS, 16, ignore_eog=True, stream=False) == expected
+        assert await generate(c, "s", 0, IDS, 16, stop=[expected.tokens[6]]) == stopped
+        assert (await c.stats())["generated_tokens_total"] == 32 + stopped.generated
+        # Only the head runs the loop: the tail saw ordinary steps.
+        assert tail.stats()["generated_tokens_total"] == 0
+
+
+async def test_generate_errors(tiny_model: Path, tiny_shards2: list[Path]) -> None:
+    async def expect(code: str, c: Client, session: str, pos: int, ids: list[int], max_new: int = 4) -> None:
+        with pytest.raises(NodeError) as info:
+            await generate(c, session, pos, ids, max_new)
+        assert info.value.code == code, info.value
+
+    async with node_and_client(tiny_model) as (node, c):
+        await expect("unknown_session", c, "nope", 0, IDS)
+        await c.open("s", 20)
+        await expect("position", c, "s", 3, IDS)  # pos > L
+        await expect("position", c, "s", 0, prompt(2, 21))  # pos + n > max_tokens
+        peer = RawPeer(node.address)
+        try:
+            for bad in ({"max_new": 0}, {"max_new": 2, "stop": [1.5]}, {"max_new": 2, "stream": 1}, {}):
+                peer.send({"op": "generate", "rid": 5, "session": "s", "pos": 0, "n": 8, **bad}, int32(IDS))
+                reply = (await peer.recv())[0]
+                assert reply["op"] == "error" and reply["code"] == "bad_request" and reply["rid"] == 5, reply
+        finally:
+            peer.close()
+        assert (await generate(c, "s", 0, IDS, 2, ignore_eog=True)).generated == 2  # nothing was harmed
+    # A stage that cannot sample and has no next stage, and a stage that takes hidden input.
+    for shard in tiny_shards2:
+        async with node_and_client(shard) as (_node, c):
+            await c.open("s", 20)
+            await expect("wrong_stage", c, "s", 0, IDS)
