@@ -3,7 +3,8 @@
 The core both the client library and a node's link to its next stage are built on.
 One pump task owns the socket; every waiting request holds a one-shot channel keyed
 by the rid it was sent with. A reply nobody waits for any more (timed out, cancelled)
-is dropped. When the pump stops, for whatever reason, every waiting request and every
+is dropped, and so is one that is not a msgpack map within the reply limits or has
+no integer `rid` (counted in `dropped`). When the pump stops, for whatever reason, every waiting request and every
 later one raises `ClientClosed` at once instead of waiting out its timeout.
 """
 
@@ -16,7 +17,7 @@ import trio
 
 from transport.pump import SocketPump
 from transport.trio_zmq import TrioSocket
-from transport.wire import decode_reply, encode
+from transport.wire import WireError, decode_reply, encode
 
 Reply = tuple[dict[str, Any], list[bytes]]  # header, payload frames
 
@@ -36,6 +37,7 @@ class Requester:
         self._rids = itertools.count(1)
         self._waiting: dict[int, trio.MemorySendChannel[Reply]] = {}
         self.closed = False
+        self.dropped = 0  # replies that could not be read or matched
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Own the socket; when this stops, the waiting requests fail."""
@@ -49,10 +51,14 @@ class Requester:
     def _on_message(self, frames: list[bytes]) -> None:
         try:
             header, payload = decode_reply(frames)
-        except Exception:  # a broken reply is the peer's fault; there is nothing to match it to
+        except WireError:  # a broken reply is the peer's fault; there is nothing to match it to
+            self.dropped += 1
             return
-        send = self._waiting.pop(header.get("rid", -1), None)
-        if send is not None:
+        rid = header.get("rid")
+        send = self._waiting.pop(rid, None) if type(rid) is int else None
+        if send is None:
+            self.dropped += 1
+        else:
             send.send_nowait((header, payload))
 
     async def request(self, header: dict[str, Any], payload: list[bytes], timeout_s: float) -> Reply:
