@@ -189,7 +189,8 @@ class Node:
         stats["handlers_refused_total"] = self.handlers_refused
         if self.next is not None:
             stats["downstream"] = {"address": self.next.address, "failures_total": self.next.failures,
-                                   "malformed_total": self.next.malformed}  # fmt: skip
+                                   "malformed_total": self.next.malformed,
+                                   "replies_dropped_total": self.next.core.dropped}  # fmt: skip
         return {**stats, **self.config.extra_stats}
 
     # -- requests ----------------------------------------------------------------------
