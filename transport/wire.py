@@ -237,16 +237,17 @@ def _number(v: Any) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool)
 
 
-def _real(raw: dict[str, Any], key: str, default: float, lo: float, hi: float, zero_ok: bool, rid: int) -> float:
-    """A finite number in [lo, hi] that is not subnormal in float32 (0 itself only if `zero_ok`)."""
+def _real(raw: dict[str, Any], key: str, default: float, hi: float, zero_ok: bool, rid: int) -> float:
+    """A finite number in [0, hi] (or (0, hi]) that is not subnormal in float32: 0 itself only if `zero_ok`."""
     v = raw.get(key, default)
-    allowed = f"'sampling.{key}' must be a number in [{lo:g}, {hi:g}]" + (
-        f", 0 or at least {F32_MIN_NORMAL:.7g} (float32 has no smaller normal number)" if zero_ok else ""
+    allowed = (
+        f"'sampling.{key}' must be a finite number in {'[' if zero_ok else '('}0, {hi:g}], "
+        f"{'either 0 or ' if zero_ok else ''}at least {F32_MIN_NORMAL:.7g} (the smallest normal float32)"
     )
     if not _number(v):
         raise WireError(ErrorCode.BAD_REQUEST, allowed, rid)
-    f = float(v) if not isinstance(v, int) or abs(v) < 2**1000 else math.inf
-    if not (math.isfinite(f) and lo <= f <= hi and (f >= F32_MIN_NORMAL or (zero_ok and f == 0))):
+    f = float(v)  # msgpack integers are at most 2**64: finite as floats
+    if not (math.isfinite(f) and f <= hi and (f >= F32_MIN_NORMAL or (zero_ok and f == 0))):
         raise WireError(ErrorCode.BAD_REQUEST, f"{allowed}; got {show(v)}", rid)
     return f
 
@@ -257,8 +258,8 @@ def _sampling(h: dict[str, Any], rid: int) -> Sampling:
         return Sampling()
     if not isinstance(raw, dict) or not all(isinstance(k, str) for k in raw):
         raise WireError(ErrorCode.BAD_REQUEST, "'sampling' must be a map", rid)
-    temperature = _real(raw, "temperature", 0.0, 0.0, MAX_TEMPERATURE, True, rid)
-    top_p = _real(raw, "top_p", 1.0, F32_MIN_NORMAL, 1.0, False, rid)
+    temperature = _real(raw, "temperature", 0.0, MAX_TEMPERATURE, True, rid)
+    top_p = _real(raw, "top_p", 1.0, 1.0, False, rid)
     top_k = _int(raw, "top_k", rid, lo=0, default=0)
     if top_k > MAX_TOP_K:
         raise WireError(ErrorCode.BAD_REQUEST, f"'sampling.top_k' must be in [0, {MAX_TOP_K}]", rid)
