@@ -370,6 +370,25 @@ def test_cli_serve_help_and_stats(tiny_model: Path, capsys: pytest.CaptureFixtur
     assert "no reply to 'stats'" in capsys.readouterr().err
 
 
+async def test_a_fault_while_handling_a_message_is_internal_for_that_message(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with node_and_client(tiny_model) as (node, client):
+        original = node._dispatch
+
+        def faulty(peer: bytes, request: Any) -> None:
+            if getattr(request, "session", None) == "bug":
+                raise RecursionError("x" * 100_000)
+            original(peer, request)
+
+        monkeypatch.setattr(node, "_dispatch", faulty)
+        with pytest.raises(NodeError) as info:
+            await client.open("bug", 8)
+        assert info.value.code == "internal" and len(str(info.value)) < 400
+        await client.open("fine", 8)
+        assert (await client.stats())["errors_total"]["internal"] == 1
+
+
 async def test_oversized_message_drops_only_that_connection(tiny_model: Path) -> None:
     cfg = NodeConfig(engine_config(tiny_model), bind="tcp://127.0.0.1:0", max_message_bytes=4096)
     async with open_node(cfg) as node, open_client(node.address, timeout_s=5) as good:

@@ -2,7 +2,7 @@
 
 Every decode either returns a request or raises `WireError` with the code and the
 request id when it could be read: no other exception escapes, whatever the bytes.
-What a header may cost is bounded before and while it is parsed (`Limits`): its size,
+What a header may cost is bounded before and while it is parsed (`HeaderLimits`): its size,
 the length of every string, array and map, how many arrays and maps it holds and how
 deeply they nest. Error messages show at most a short prefix of any value a peer sent.
 """
@@ -32,7 +32,7 @@ SEED_RANGE = (-(2**63), 2**64)  # what a msgpack integer can hold; the sampler h
 
 
 @dataclass(frozen=True, slots=True)
-class Limits:
+class HeaderLimits:
     """What one header may cost to parse; beyond any limit it is refused unparsed or mid-parse."""
 
     max_header_bytes: int
@@ -51,13 +51,13 @@ MAX_TEXT_TOKENS = 2**18
 REQUEST_HEADER_EXTRA = 2**16
 
 
-def request_limits(max_text_bytes: int = MAX_TEXT_BYTES) -> Limits:
+def request_limits(max_text_bytes: int = MAX_TEXT_BYTES) -> HeaderLimits:
     size = max_text_bytes + REQUEST_HEADER_EXTRA
-    return Limits(size, size, 64, 64, 4, max_text_bytes=max_text_bytes)
+    return HeaderLimits(size, size, 64, 64, 4, max_text_bytes=max_text_bytes)
 
 
 # Replies: `stats` maps and a detokenized text are larger, but they too are bounded.
-REPLY_LIMITS = Limits(64 * 2**20, 64 * 2**20, 4096, 4096, 8)
+REPLY_LIMITS = HeaderLimits(64 * 2**20, 64 * 2**20, 4096, 4096, 8)
 
 
 class WireError(Exception):
@@ -164,7 +164,7 @@ def _depth_within(value: Any, max_depth: int) -> bool:
     return True
 
 
-def parse_header(frame: bytes, limits: Limits, rid: int | None = None) -> dict[str, Any]:
+def parse_header(frame: bytes, limits: HeaderLimits, rid: int | None = None) -> dict[str, Any]:
     """The header map, parsed within `limits`; WireError (`too_large`, `bad_request`) otherwise."""
     if len(frame) > limits.max_header_bytes:
         raise WireError(
@@ -283,7 +283,7 @@ def _int32_frame(frame: bytes, n: int | None, rid: int) -> npt.NDArray[np.int32]
 
 
 def decode_request(
-    frames: list[bytes], n_embd: int, limits: Limits | None = None, max_text_tokens: int = MAX_TEXT_TOKENS
+    frames: list[bytes], n_embd: int, limits: HeaderLimits | None = None, max_text_tokens: int = MAX_TEXT_TOKENS
 ) -> Request:
     """A validated request, or WireError. `n_embd` is the stage's hidden width; `limits`
     bound the header (and a tokenize's text), `max_text_tokens` a detokenize's ids."""
@@ -377,7 +377,7 @@ def hidden_frame(hidden: npt.NDArray[np.float32], out_dtype: str) -> bytes:
     return np.ascontiguousarray(hidden, dtype=np.dtype(DTYPES[out_dtype]).newbyteorder("<")).tobytes()
 
 
-def decode_reply(frames: list[bytes], limits: Limits = REPLY_LIMITS) -> tuple[dict[str, Any], list[bytes]]:
+def decode_reply(frames: list[bytes], limits: HeaderLimits = REPLY_LIMITS) -> tuple[dict[str, Any], list[bytes]]:
     """A reply's header and payload frames (for clients and the chaining forwarder).
     WireError (`downstream`: the peer failed) when the header is not a map within `limits`."""
     if not frames:
