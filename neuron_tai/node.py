@@ -73,6 +73,9 @@ class NodeConfig:
     # beyond either the request is `too_large`. The text bounds the header frame size too.
     max_text_bytes: int = wire.MAX_TEXT_BYTES
     max_text_tokens: int = wire.MAX_TEXT_TOKENS
+    # Text and token ids of tokenize/detokenize requests waiting for the tokenizer, at most
+    # (one request is always taken); beyond it a request is answered `busy` at once.
+    max_text_pending_bytes: int = 8 * 2**20
     extra_stats: dict[str, Any] = field(default_factory=dict)
 
 
@@ -122,6 +125,7 @@ class Node:
         # One tokenizer call at a time on a worker thread: the vocabulary is read-only in
         # llama.cpp (tokenize and detokenize are const), so they may overlap a decode.
         self.text_limiter = trio.CapacityLimiter(1)
+        self.text_pending_bytes = 0
         self._nursery: trio.Nursery | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -183,6 +187,7 @@ class Node:
         stats["max_text_bytes"] = self.config.max_text_bytes
         stats["max_text_tokens"] = self.config.max_text_tokens
         stats["messages_failed_total"] = self.pump.failed
+        stats["text_pending_bytes"] = self.text_pending_bytes
         stats["peers_gone_total"] = self.peers_gone
         stats["uptime_s"] = round(time.monotonic() - self.started, 1)
         stats["handlers_active"] = self.handlers
@@ -215,9 +220,9 @@ class Node:
         elif isinstance(request, wire.Stats):
             self._send(peer, wire.encode({"op": "stats", "rid": rid, "stats": self.stats()}))
         elif isinstance(request, wire.Tokenize):
-            self._spawn(peer, rid, self._tokenize, request)
+            self._start_text(peer, request, len(request.text))
         elif isinstance(request, wire.Detokenize):
-            self._spawn(peer, rid, self._detokenize, request)
+            self._start_text(peer, request, request.tokens.nbytes)
         elif isinstance(request, wire.Open):
             self._spawn(peer, rid, self._open, request)
         elif isinstance(request, wire.Step):
@@ -258,6 +263,22 @@ class Node:
                 del self.handlers_by_peer[peer]
             if not self.handlers:
                 self.handlers_idle.set()
+
+    def _start_text(self, peer: bytes, req: wire.Tokenize | wire.Detokenize, size: int) -> None:
+        """A tokenizer request becomes a handler task unless too much text already waits."""
+        if self.text_pending_bytes and self.text_pending_bytes + size > self.config.max_text_pending_bytes:
+            self._error(peer, req.rid, ErrorCode.BUSY, "too much text is waiting for the tokenizer", self._retry_ms())
+            return
+
+        def done() -> None:
+            self.text_pending_bytes -= size
+
+        if isinstance(req, wire.Tokenize):
+            spawned = self._spawn(peer, req.rid, self._tokenize, req, on_exit=done)
+        else:
+            spawned = self._spawn(peer, req.rid, self._detokenize, req, on_exit=done)
+        if spawned:
+            self.text_pending_bytes += size
 
     async def _tokenize(self, peer: bytes, req: wire.Tokenize) -> None:
         def work() -> npt.NDArray[np.int32]:

@@ -352,6 +352,28 @@ async def test_tokenize_and_detokenize(tiny_model: Path) -> None:
         assert info.value.code == "bad_request"
 
 
+async def test_text_waiting_for_the_tokenizer_is_bounded(tiny_model: Path) -> None:
+    config = NodeConfig(engine_config(tiny_model), bind="tcp://127.0.0.1:0", max_text_pending_bytes=1,
+                        max_text_tokens=2**20)  # fmt: skip
+    text = "the cat sat on the mat " * 20_000  # each request alone is over the pending limit: one at a time
+    answers: list[str] = []
+    async with open_node(config) as node, open_client(node.address, timeout_s=60) as c:
+
+        async def tokenize() -> None:
+            try:
+                _, frames = await c.request({"op": "tokenize", "text": text}, retry=False)
+                answers.append("tokens" if len(frames[0]) > len(text) else "short")
+            except NodeError as exc:
+                answers.append(exc.code)
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(10):
+                nursery.start_soon(tokenize)
+        assert "tokens" in answers and "busy" in answers and set(answers) == {"tokens", "busy"}, answers
+        stats = await c.stats()
+        assert stats["text_pending_bytes"] == 0 and stats["errors_total"]["busy"] == answers.count("busy")
+
+
 def test_cli_serve_help_and_stats(tiny_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from neuron_tai.cli import main  # noqa: PLC0415
 
