@@ -18,7 +18,7 @@ import zmq
 
 from transport.requester import ClientClosed, OutboxFull, Reply, Requester
 from transport.trio_zmq import TrioSocket
-from transport.wire import WireError, check_reply
+from transport.wire import NEXT_STAGE_REPLY_LIMITS, WireError, check_reply
 
 log = logging.getLogger("neuron_tai.downstream")
 
@@ -35,7 +35,7 @@ class NextStage:
         self.address = address
         self.timeout_s = timeout_s
         self.sock = TrioSocket(sock)
-        self.core = Requester(self.sock, max_outbox=hwm)
+        self.core = Requester(self.sock, max_outbox=hwm, limits=NEXT_STAGE_REPLY_LIMITS)
         self.failures = 0
         self.malformed = 0
         self.n_embd = n_embd  # the model's, the same on every stage: the shape replies must have

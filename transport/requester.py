@@ -17,7 +17,7 @@ import trio
 
 from transport.pump import SocketPump
 from transport.trio_zmq import TrioSocket
-from transport.wire import WireError, decode_reply, encode
+from transport.wire import REPLY_LIMITS, HeaderLimits, WireError, decode_reply, encode
 
 Reply = tuple[dict[str, Any], list[bytes]]  # header, payload frames
 
@@ -31,8 +31,9 @@ class OutboxFull(Exception):
 
 
 class Requester:
-    def __init__(self, sock: TrioSocket, *, max_outbox: int = 4096) -> None:
+    def __init__(self, sock: TrioSocket, *, max_outbox: int = 4096, limits: HeaderLimits = REPLY_LIMITS) -> None:
         self.sock = sock
+        self.limits = limits
         self.pump = SocketPump(sock, self._on_message, max_outbox=max_outbox)
         self._rids = itertools.count(1)
         self._waiting: dict[int, trio.MemorySendChannel[Reply]] = {}
@@ -50,7 +51,7 @@ class Requester:
 
     def _on_message(self, frames: list[bytes]) -> None:
         try:
-            header, payload = decode_reply(frames)
+            header, payload = decode_reply(frames, self.limits)
         except WireError:  # a broken reply is the peer's fault; there is nothing to match it to
             self.dropped += 1
             return

@@ -58,6 +58,8 @@ def request_limits(max_text_bytes: int = MAX_TEXT_BYTES) -> HeaderLimits:
 
 # Replies: `stats` maps and a detokenized text are larger, but they too are bounded.
 REPLY_LIMITS = HeaderLimits(64 * 2**20, 64 * 2**20, 4096, 4096, 8)
+# What a next stage answers a node (opened, result, closed, error) is small: request-sized.
+NEXT_STAGE_REPLY_LIMITS = HeaderLimits(REQUEST_HEADER_EXTRA, REQUEST_HEADER_EXTRA, 64, 64, 4)
 
 
 class WireError(Exception):
