@@ -83,6 +83,8 @@ class EngineConfig:
     queue_budget_bytes: int = 64 * 2**20
     inbox_size: int = 256
     max_waiting_opens: int = 64
+    max_wait_ms: int = 60_000  # an open's wait_ms is capped to this
+    max_overtakes: int = 4  # opens admitted ahead of a waiting one before it holds admission
     batch_invariant: bool = False
     pad_rows: int | None = None  # batch-invariant padding; None: what the kernel path needs (engine/kernels.py)
     idle_timeout_s: float | None = None
@@ -213,6 +215,8 @@ class Engine:
                 max_step_tokens=min(config.max_step_tokens, cells),
                 queue_budget_bytes=config.queue_budget_bytes,
                 max_waiting_opens=config.max_waiting_opens,
+                max_wait_ms=config.max_wait_ms,
+                max_overtakes=config.max_overtakes,
                 batch_invariant=config.batch_invariant,
                 pad_rows=self.pad_rows,
             )
@@ -296,6 +300,8 @@ class Engine:
     # -- what a node needs to know --------------------------------------------------
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        """Callable from any thread, during a decode too: llama.cpp's vocabulary is read-only
+        once loaded (its tokenize and detokenize are const and keep no caches)."""
         return self.backend.tokenize(text, add_special)
 
     def detokenize(self, tokens: list[int]) -> str:

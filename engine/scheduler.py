@@ -10,7 +10,10 @@ plans it returns, and reports back. The policy (DESIGN.md):
 - One outstanding step per session; another is `busy`.
 - `open` reserves KV cells for `max_tokens` up front (never over-committed), so no
   preemption is ever needed. When a slot or cells are short, the request waits up
-  to `wait_ms` in a bounded FIFO queue, then is rejected with a retry estimate.
+  to `wait_ms` (at most `max_wait_ms`) in a bounded queue, then is rejected with a
+  retry estimate. An open that fits is admitted even while larger ones wait, but no
+  waiting open is overtaken more than `max_overtakes` times: from then on it holds
+  admission until it fits or expires, so small opens cannot starve a large one.
 - Queued payload bytes are bounded; over the budget a step is `busy` at once.
 - Batch-invariant mode: decode rows are padded to a multiple of `pad_rows` and each
   prefill chunk runs in a call of its own with boundaries fixed by position, so a
@@ -54,6 +57,8 @@ class SchedulerConfig:
     max_waiting_opens: int = 64
     batch_invariant: bool = False
     pad_rows: int = 8
+    max_wait_ms: int = 60_000  # an open's wait_ms is capped to this
+    max_overtakes: int = 4  # opens admitted ahead of a waiting one before it blocks admission
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_sessions <= self.n_batch:
@@ -72,6 +77,8 @@ class SchedulerConfig:
             )
         if self.max_step_tokens < 1 or self.kv_cells < 1 or self.queue_budget_bytes < 0:
             raise ValueError("max_step_tokens and kv_cells must be >= 1, queue_budget_bytes >= 0")
+        if self.max_wait_ms < 0 or self.max_overtakes < 0:
+            raise ValueError("max_wait_ms and max_overtakes must be >= 0")
 
 
 @dataclass(slots=True)
@@ -109,6 +116,7 @@ class Waiter:
     max_tokens: int
     deadline_ms: float
     payload: object = None
+    overtaken: int = 0  # opens admitted while this one waited ahead of them
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,8 +213,11 @@ class Scheduler:
             return Rejection(
                 ErrorCode.KV_BUDGET, f"max_tokens {max_tokens} exceeds the node's {self.config.kv_cells} cells"
             )
-        if not self.waiting and self._fits(max_tokens):
+        if self._fits(max_tokens) and self._may_overtake():
+            for w in self.waiting:
+                w.overtaken += 1
             return self._admit(key, max_tokens, now_ms)
+        wait_ms = min(wait_ms, self.config.max_wait_ms)
         if wait_ms > 0 and len(self.waiting) < self.config.max_waiting_opens:
             waiter = Waiter(key, max_tokens, now_ms + wait_ms, payload)
             self.waiting.append(waiter)
@@ -219,19 +230,40 @@ class Scheduler:
         self.kv_reserved += max_tokens
         return session
 
+    def _may_overtake(self) -> bool:
+        """Whether an open may be admitted ahead of those waiting. Every admission counts
+        against all opens waiting ahead of it, so the oldest has been overtaken most."""
+        return not self.waiting or self.waiting[0].overtaken < self.config.max_overtakes
+
     def poll_waiting(self, now_ms: float) -> tuple[list[tuple[Waiter, Session]], list[tuple[Waiter, Rejection]]]:
-        """Admit waiters in FIFO order while they fit; expire those past their deadline."""
-        admitted: list[tuple[Waiter, Session]] = []
-        while self.waiting and self._fits(self.waiting[0].max_tokens) and not self.shutting_down:
-            w = self.waiting.popleft()
-            admitted.append((w, self._admit(w.key, w.max_tokens, now_ms)))
+        """Admit, oldest first, the waiters that fit (bounded overtaking); expire those past their
+        deadline (and admit again behind an expired one that held admission)."""
+        admitted = self._admit_waiting(now_ms)
         expired: list[tuple[Waiter, Rejection]] = []
         for w in list(self.waiting):
             if self.shutting_down or w.deadline_ms <= now_ms:
                 self.waiting.remove(w)
                 why = Rejection(ErrorCode.SHUTTING_DOWN, "the node is draining") if self.shutting_down else None
                 expired.append((w, why or self._shortage(w.max_tokens)))
+        if expired:
+            admitted += self._admit_waiting(now_ms)
         return admitted, expired
+
+    def _admit_waiting(self, now_ms: float) -> list[tuple[Waiter, Session]]:
+        admitted: list[tuple[Waiter, Session]] = []
+        i = 0
+        while i < len(self.waiting) and not self.shutting_down:
+            w = self.waiting[i]
+            if self._fits(w.max_tokens) and (i == 0 or self._may_overtake()):
+                del self.waiting[i]
+                for ahead in list(self.waiting)[:i]:
+                    ahead.overtaken += 1
+                admitted.append((w, self._admit(w.key, w.max_tokens, now_ms)))
+            elif self._may_overtake():
+                i += 1
+            else:
+                break
+        return admitted
 
     def next_deadline_ms(self) -> float | None:
         return min((w.deadline_ms for w in self.waiting), default=None)

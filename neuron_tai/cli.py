@@ -88,6 +88,8 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
         model=_stage_model(args.model, args.layers),
         max_sessions=args.max_sessions,
         max_waiting_opens=args.max_waiting,
+        max_wait_ms=args.max_wait_ms,
+        max_overtakes=args.max_overtakes,
         kv_cells=args.kv_cells,
         n_batch=args.n_batch,
         n_ubatch=min(args.n_batch, args.n_ubatch),
@@ -114,6 +116,8 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
         metrics_port=args.metrics_port,
         metrics_bind=args.metrics_bind,
         curve=server_curve(args),
+        max_text_bytes=args.max_text_bytes,
+        max_text_tokens=args.max_text_tokens,
     )
 
 
@@ -240,6 +244,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--next", metavar="ADDR", help="address of the next stage: forward results there")
     serve.add_argument("--max-sessions", type=int, default=8, help="sessions served at once")
     serve.add_argument("--max-waiting", type=int, default=64, help="opens that may wait for room (with wait_ms)")
+    serve.add_argument("--max-wait-ms", type=int, default=60_000, help="cap on an open's wait_ms")
+    serve.add_argument(
+        "--max-overtakes", type=int, default=4, help="opens admitted ahead of a waiting open before it holds admission"
+    )
+    serve.add_argument(
+        "--max-text-bytes", type=int, default=2**20, help="largest tokenize text (UTF-8 bytes); bounds headers too"
+    )
+    serve.add_argument("--max-text-tokens", type=int, default=2**18, help="most token ids a (de)tokenize may carry")
     serve.add_argument("--kv-cells", type=int, default=4096, help="KV cells shared by all sessions")
     serve.add_argument("--kv-type", choices=["f16", "f32"], default="f16", help="KV cache element type")
     serve.add_argument("--n-batch", type=int, default=512, help="rows one llama_decode call may carry")

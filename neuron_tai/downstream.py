@@ -4,7 +4,9 @@ Built on the same request/reply core as `neuron_tai.client` (transport.requester
 one DEALER socket owned by its pump task, rids of our own matched to replies, a
 timeout per request. With CURVE it authenticates with the node's own key pair,
 like any client. A request the next stage does not answer within `timeout_s`,
-or that cannot be sent, comes back as None and counts as a failure.
+or that cannot be sent, comes back as None and counts as a failure; so does a reply
+that is not what the request expects (wire.check_reply: an `error`, or the answer to
+that op with its keys and payload shape), which also counts in `malformed`.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import zmq
 from neuron_tai.security import ClientCurve
 from transport.requester import ClientClosed, OutboxFull, Reply, Requester
 from transport.trio_zmq import TrioSocket
+from transport.wire import NEXT_STAGE_REPLY_LIMITS, WireError, check_reply
 
 log = logging.getLogger("neuron_tai.downstream")
 
@@ -29,6 +32,8 @@ class NextStage:
         address: str,
         timeout_s: float,
         hwm: int,
+        n_embd: int,
+        n_vocab: int,
         *,
         curve: ClientCurve | None = None,
     ) -> None:
@@ -42,8 +47,11 @@ class NextStage:
         self.address = address
         self.timeout_s = timeout_s
         self.sock = TrioSocket(sock)
-        self.core = Requester(self.sock, max_outbox=hwm)
+        self.core = Requester(self.sock, max_outbox=hwm, limits=NEXT_STAGE_REPLY_LIMITS)
         self.failures = 0
+        self.malformed = 0
+        self.n_embd = n_embd  # the model's, the same on every stage: the shape replies must have
+        self.n_vocab = n_vocab
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         await self.core.run(task_status=task_status)
@@ -51,7 +59,11 @@ class NextStage:
     async def request(self, header: dict[str, Any], payload: list[bytes] | None = None) -> Reply | None:
         """The next stage's reply (`error` replies included); None when it failed or did not answer."""
         try:
-            return await self.core.request(header, payload or [], self.timeout_s)
+            reply = await self.core.request(header, payload or [], self.timeout_s)
+            return check_reply(header, *reply, self.n_embd, self.n_vocab)
+        except WireError as exc:
+            self.malformed += 1
+            log.warning("next stage %s: %s", self.address, exc.message)
         except TimeoutError:
             log.warning("next stage %s did not answer %r within %.1fs", self.address, header.get("op"), self.timeout_s)
         except (OutboxFull, ClientClosed) as exc:

@@ -4,14 +4,16 @@
         print(node.address)
         await trio.sleep_forever()
 
-One pump task owns the ROUTER socket: it decodes and validates each message and
-answers at once what needs no waiting (ping, stats, tokenize, detokenize, errors).
+One pump task owns the ROUTER socket: it decodes and validates each message within
+the wire limits and answers at once what needs no waiting (ping, stats, errors).
 Each open, step, generate and close becomes one handler task in the node's nursery that
 awaits the engine, then (with `next` set) the next stage, then replies: a chain looks
 like one node to a client. A generate's task runs the token loop itself: every token
 is one ordinary engine step (so it batches with every other session's), fed the token
-the step before it sampled. Handler tasks are capped per connection and in total; beyond
-the cap a request is answered `busy` at once, so ping and stats are never held up.
+the step before it sampled. Tokenize and detokenize, whose work grows with their input,
+are handler tasks too and run on a worker thread, never on the event loop. Handler
+tasks are capped per connection and in total; beyond the cap a request is answered
+`busy` at once, so ping and stats are never held up.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 import trio
 import zmq
 
@@ -74,10 +77,17 @@ class NodeConfig:
     # and per connection. Beyond either, a request is answered `busy` at once.
     max_handlers: int = 1024
     max_handlers_per_peer: int = 256
+    # A tokenize's text (UTF-8 bytes) and a detokenize's ids (or a tokenize's result) at most;
+    # beyond either the request is `too_large`. The text bounds the header frame size too.
+    max_text_bytes: int = wire.MAX_TEXT_BYTES
+    max_text_tokens: int = wire.MAX_TEXT_TOKENS
+    # Text and token ids of tokenize/detokenize requests waiting for the tokenizer, at most
+    # (one request is always taken); beyond it a request is answered `busy` at once.
+    max_text_pending_bytes: int = 8 * 2**20
     extra_stats: dict[str, Any] = field(default_factory=dict)
 
 
-R = TypeVar("R", wire.Open, wire.Step, wire.Generate, wire.Cancel, wire.Close)
+R = TypeVar("R", wire.Open, wire.Step, wire.Generate, wire.Cancel, wire.Close, wire.Tokenize, wire.Detokenize)
 Handler = Callable[[bytes, R], Awaitable[None]]
 
 _OUT = {"hidden": Output.HIDDEN, "token": Output.TOKEN, "logits": Output.LOGITS}
@@ -121,7 +131,8 @@ class Node:
         if config.next:
             curve = config.curve
             link = ClientCurve(curve.secret, curve.next_key) if curve and curve.next_key else None
-            self.next = NextStage(ctx, config.next, config.downstream_timeout_s, config.hwm, curve=link)
+            self.next = NextStage(ctx, config.next, config.downstream_timeout_s, config.hwm, self.stage.n_embd,
+                                  self.stage.n_vocab, curve=link)  # fmt: skip
         self.peers_gone = 0
         self.started = time.monotonic()
         # Steps of a session from arrival until reply (through the next stage too): while the
@@ -135,6 +146,11 @@ class Node:
         self.handlers_idle.set()
         self.generations: dict[tuple[bytes, str], Generation] = {}  # running generates, by session
         self.generated_tokens = 0
+        self.limits = wire.request_limits(config.max_text_bytes)
+        # One tokenizer call at a time on a worker thread: the vocabulary is read-only in
+        # llama.cpp (tokenize and detokenize are const), so they may overlap a decode.
+        self.text_limiter = trio.CapacityLimiter(1)
+        self.text_pending_bytes = 0
         self._nursery: trio.Nursery | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -194,6 +210,11 @@ class Node:
     def stats(self) -> dict[str, Any]:
         stats = self.engine.stats()
         stats["max_message_bytes"] = self.config.max_message_bytes
+        stats["max_header_bytes"] = self.limits.max_header_bytes
+        stats["max_text_bytes"] = self.config.max_text_bytes
+        stats["max_text_tokens"] = self.config.max_text_tokens
+        stats["messages_failed_total"] = self.pump.failed
+        stats["text_pending_bytes"] = self.text_pending_bytes
         stats["peers_gone_total"] = self.peers_gone
         stats["uptime_s"] = round(time.monotonic() - self.started, 1)
         stats["handlers_active"] = self.handlers
@@ -205,7 +226,8 @@ class Node:
         if self.allow is not None:
             stats["curve_allowed_keys"] = len(self.allow)
         if self.next is not None:
-            stats["downstream"] = {"failures_total": self.next.failures}
+            stats["downstream"] = {"failures_total": self.next.failures, "malformed_total": self.next.malformed,
+                                   "replies_dropped_total": self.next.core.dropped}  # fmt: skip
             if self.allow is not None:  # only authenticated peers learn where the chain goes on
                 stats["downstream"]["address"] = self.next.address
         return {**stats, **self.config.extra_stats}
@@ -214,16 +236,16 @@ class Node:
 
     def _on_message(self, frames: list[bytes]) -> None:
         peer, body = frames[0], frames[1:]
+        request: wire.Request | None = None
         try:
-            request = wire.decode_request(body, self.stage.n_embd)
+            request = wire.decode_request(body, self.stage.n_embd, self.limits, self.config.max_text_tokens)
+            self._dispatch(peer, request)
         except wire.WireError as exc:
             self._error(peer, exc.rid, exc.code, exc.message)
-            return
-        try:
-            self._dispatch(peer, request)
         except Exception as exc:  # a bug must cost one request, never the node
             log.exception("request %r failed", type(request).__name__)
-            self._error(peer, request.rid, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            rid = None if request is None else request.rid
+            self._error(peer, rid, ErrorCode.INTERNAL, f"{type(exc).__name__}: {wire.show(str(exc), 200)}")
 
     def _dispatch(self, peer: bytes, request: wire.Request) -> None:
         rid = request.rid
@@ -232,15 +254,9 @@ class Node:
         elif isinstance(request, wire.Stats):
             self._send(peer, wire.encode({"op": "stats", "rid": rid, "stats": self.stats()}))
         elif isinstance(request, wire.Tokenize):
-            ids = np.array(self.engine.tokenize(request.text, request.add_special), "<i4")
-            self._send(peer, wire.encode({"op": "tokens", "rid": rid, "n": len(ids)}, ids.tobytes()))
+            self._start_text(peer, request, len(request.text))
         elif isinstance(request, wire.Detokenize):
-            try:
-                text = self.engine.detokenize(request.tokens.tolist())
-            except Refused as exc:
-                self._error(peer, rid, exc.code, str(exc))
-                return
-            self._send(peer, wire.encode({"op": "text", "rid": rid, "text": text}))
+            self._start_text(peer, request, request.tokens.nbytes)
         elif isinstance(request, wire.Open):
             self._spawn(peer, rid, self._open, request)
         elif isinstance(request, wire.Step):
@@ -285,6 +301,44 @@ class Node:
                 del self.handlers_by_peer[peer]
             if not self.handlers:
                 self.handlers_idle.set()
+
+    def _start_text(self, peer: bytes, req: wire.Tokenize | wire.Detokenize, size: int) -> None:
+        """A tokenizer request becomes a handler task unless too much text already waits."""
+        if self.text_pending_bytes and self.text_pending_bytes + size > self.config.max_text_pending_bytes:
+            self._error(peer, req.rid, ErrorCode.BUSY, "too much text is waiting for the tokenizer", self._retry_ms())
+            return
+
+        def done() -> None:
+            self.text_pending_bytes -= size
+
+        if isinstance(req, wire.Tokenize):
+            spawned = self._spawn(peer, req.rid, self._tokenize, req, on_exit=done)
+        else:
+            spawned = self._spawn(peer, req.rid, self._detokenize, req, on_exit=done)
+        if spawned:
+            self.text_pending_bytes += size
+
+    async def _tokenize(self, peer: bytes, req: wire.Tokenize) -> None:
+        def work() -> npt.NDArray[np.int32]:
+            return np.array(self.engine.tokenize(req.text, req.add_special), "<i4")
+
+        ids = await trio.to_thread.run_sync(work, limiter=self.text_limiter)
+        if len(ids) > self.config.max_text_tokens:
+            limit = self.config.max_text_tokens
+            self._error(peer, req.rid, ErrorCode.TOO_LARGE, f"the text is {len(ids)} tokens, the limit is {limit}")
+            return
+        self._send(peer, wire.encode({"op": "tokens", "rid": req.rid, "n": len(ids)}, ids.tobytes()))
+
+    async def _detokenize(self, peer: bytes, req: wire.Detokenize) -> None:
+        def work() -> str:
+            return self.engine.detokenize(req.tokens.tolist())
+
+        try:
+            text = await trio.to_thread.run_sync(work, limiter=self.text_limiter)
+        except Refused as exc:
+            self._error(peer, req.rid, exc.code, str(exc))
+            return
+        self._send(peer, wire.encode({"op": "text", "rid": req.rid, "text": text}))
 
     def _retry_ms(self) -> int:
         return self.engine.busy_retry_ms()

@@ -352,6 +352,28 @@ async def test_tokenize_and_detokenize(tiny_model: Path) -> None:
         assert info.value.code == "bad_request"
 
 
+async def test_text_waiting_for_the_tokenizer_is_bounded(tiny_model: Path) -> None:
+    config = NodeConfig(engine_config(tiny_model), bind="tcp://127.0.0.1:0", max_text_pending_bytes=1,
+                        max_text_tokens=2**20)  # fmt: skip
+    text = "the cat sat on the mat " * 20_000  # each request alone is over the pending limit: one at a time
+    answers: list[str] = []
+    async with open_node(config) as node, open_client(node.address, timeout_s=60) as c:
+
+        async def tokenize() -> None:
+            try:
+                _, frames = await c.request({"op": "tokenize", "text": text}, retry=False)
+                answers.append("tokens" if len(frames[0]) > len(text) else "short")
+            except NodeError as exc:
+                answers.append(exc.code)
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(10):
+                nursery.start_soon(tokenize)
+        assert "tokens" in answers and "busy" in answers and set(answers) == {"tokens", "busy"}, answers
+        stats = await c.stats()
+        assert stats["text_pending_bytes"] == 0 and stats["errors_total"]["busy"] == answers.count("busy")
+
+
 def test_cli_serve_help_and_stats(tiny_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from neuron_tai.cli import main  # noqa: PLC0415
 
@@ -371,6 +393,25 @@ def test_cli_serve_help_and_stats(tiny_model: Path, capsys: pytest.CaptureFixtur
         assert node.stop() == 0
     assert main(["stats", "--addr", f"tcp://127.0.0.1:{nobody}", "--timeout", "0.2"]) == 2
     assert "no reply to 'stats'" in capsys.readouterr().err
+
+
+async def test_a_fault_while_handling_a_message_is_internal_for_that_message(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with node_and_client(tiny_model) as (node, client):
+        original = node._dispatch
+
+        def faulty(peer: bytes, request: Any) -> None:
+            if getattr(request, "session", None) == "bug":
+                raise RecursionError("x" * 100_000)
+            original(peer, request)
+
+        monkeypatch.setattr(node, "_dispatch", faulty)
+        with pytest.raises(NodeError) as info:
+            await client.open("bug", 8)
+        assert info.value.code == "internal" and len(str(info.value)) < 400
+        await client.open("fine", 8)
+        assert (await client.stats())["errors_total"]["internal"] == 1
 
 
 async def test_oversized_message_drops_only_that_connection(tiny_model: Path) -> None:

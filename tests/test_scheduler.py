@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -142,6 +142,48 @@ def test_kv_is_reserved_up_front_and_never_overcommitted() -> None:
     assert s.kv_reserved == 100
 
 
+def test_an_open_that_fits_is_admitted_while_a_larger_one_waits() -> None:
+    s = Scheduler(replace(CFG, kv_cells=2048, max_sessions=8))
+    opened(s, "a", max_tokens=1500)  # 548 of 2048 cells free
+    big = s.request_open("big", 1000, 10**9, 0.0)
+    assert isinstance(big, Waiter) and big.deadline_ms == CFG.max_wait_ms  # wait_ms is capped
+    small = s.request_open("small", 16, 0, 1.0)
+    assert isinstance(small, Session) and big.overtaken == 1
+    admitted, expired = s.poll_waiting(2.0)
+    assert admitted == [] and expired == [] and list(s.waiting) == [big]
+    s.close("a", 3.0)
+    admitted, _ = s.poll_waiting(3.0)
+    assert [w.key for w, _ in admitted] == ["big"]
+
+
+def test_overtaking_is_bounded_then_the_waiting_open_holds_admission() -> None:
+    s = Scheduler(replace(CFG, kv_cells=100, max_sessions=8, max_overtakes=2))
+    opened(s, "a", max_tokens=60)
+    big = s.request_open("big", 80, 1000, 0.0)
+    assert isinstance(big, Waiter)
+    assert isinstance(s.request_open("s1", 10, 1000, 0.0), Session)
+    assert isinstance(s.request_open("s2", 10, 1000, 0.0), Session)
+    held = s.request_open("s3", 10, 1000, 0.0)  # fits, but big has been overtaken twice
+    assert isinstance(held, Waiter) and big.overtaken == 2
+    refused = s.request_open("s4", 10, 0, 0.0)  # fits too, but may not wait: refused, not admitted
+    assert isinstance(refused, Rejection) and refused.code is ErrorCode.KV_BUDGET
+    s.close("s1", 1.0)
+    assert s.poll_waiting(1.0) == ([], [])  # s3 still fits and still waits behind big
+    for key in ("a", "s2"):
+        s.close(key, 2.0)
+    admitted, _ = s.poll_waiting(2.0)
+    assert [w.key for w, _ in admitted] == ["big", "s3"]
+
+
+def test_an_expired_open_that_held_admission_lets_the_others_in() -> None:
+    s = Scheduler(replace(CFG, kv_cells=100, max_sessions=8, max_overtakes=0))  # strict arrival order
+    opened(s, "a", max_tokens=60)
+    assert isinstance(s.request_open("big", 80, 10, 0.0), Waiter)
+    assert isinstance(s.request_open("small", 10, 1000, 0.0), Waiter)
+    admitted, expired = s.poll_waiting(10.0)
+    assert [w.key for w, _ in expired] == ["big"] and [w.key for w, _ in admitted] == ["small"]
+
+
 def test_failure_rolls_sessions_back_to_step_start() -> None:
     s = Scheduler(CFG)
     opened(s, "a")
@@ -195,32 +237,69 @@ class SchedulerMachine(RuleBasedStateMachine):
         super().__init__()
         self.cfg = SchedulerConfig(
             max_sessions=5, kv_cells=120, n_batch=8, max_prefill_tokens=5, max_step_tokens=20,
-            queue_budget_bytes=200, batch_invariant=False,
+            queue_budget_bytes=200, batch_invariant=False, max_wait_ms=100, max_overtakes=2,
         )  # fmt: skip
         self.s = Scheduler(self.cfg)
         self.now = 0.0
         self.keys = 0
         self.lengths: dict[str, int] = {}  # the model: committed length per session
         self.plans_since_submit: dict[str, int] = {}
+        # The model of the queue: waiting opens in arrival order, with how many opens were
+        # admitted while each waited ahead of them.
+        self.queue: dict[str, int] = {}
 
-    @rule(max_tokens=st.integers(1, 70), wait=st.sampled_from([0, 0, 30]))
+    def _fits(self, max_tokens: int) -> bool:
+        free = self.cfg.kv_cells - self.s.kv_reserved - self.s.kv_held
+        return len(self.s.sessions) < self.cfg.max_sessions and max_tokens <= free
+
+    def _admitted(self, key: str) -> None:
+        """Every open waiting ahead of `key` (arrived earlier) has been overtaken once more."""
+        ahead = list(self.queue)[: list(self.queue).index(key)] if key in self.queue else list(self.queue)
+        for k in ahead:
+            self.queue[k] += 1
+            assert self.queue[k] <= self.cfg.max_overtakes, f"{k} was overtaken more than max_overtakes times"
+        self.queue.pop(key, None)
+        self.lengths[key] = 0
+
+    @rule(max_tokens=st.integers(1, 70), wait=st.sampled_from([0, 0, 30, 10**6]))
     def open(self, max_tokens: int, wait: int) -> None:
         self.keys += 1
         key = f"k{self.keys}"
+        head_holds = bool(self.queue) and next(iter(self.queue.values())) >= self.cfg.max_overtakes
+        fits = self._fits(max_tokens)
         r = self.s.request_open(key, max_tokens, wait, self.now)
+        event("held by an overtaken open" if head_holds and fits else "no open held")
         if isinstance(r, Session):
-            self.lengths[key] = 0
-        elif isinstance(r, Rejection):
+            assert fits and not head_holds
+            self._admitted(key)
+        elif isinstance(r, Waiter):
+            assert r.deadline_ms <= self.now + self.cfg.max_wait_ms
+            assert not fits or head_holds, "an open that fits waited without a reason"
+            self.queue[key] = 0
+        else:
             assert r.code in (ErrorCode.KV_BUDGET, ErrorCode.SESSION_LIMIT) and r.message
+            assert not fits or head_holds or max_tokens > self.cfg.kv_cells
 
     @rule(data=st.data())
     def tick(self, data: st.DataObject) -> None:
         self.now += data.draw(st.sampled_from([1.0, 20.0, 50.0]))
         admitted, expired = self.s.poll_waiting(self.now)
-        for _, session in admitted:
-            self.lengths[session.key] = 0
         for _, why in expired:
             assert why.code in (ErrorCode.KV_BUDGET, ErrorCode.SESSION_LIMIT) and why.retry_after_ms
+        for waiter, session in admitted:
+            assert waiter.key == session.key
+        for waiter, _ in expired:  # expired ones no longer count
+            self.queue.pop(waiter.key)
+        admitted_keys = {w.key for w, _ in admitted}
+        for key in [k for k in self.queue if k in admitted_keys]:  # in queue order
+            self._admitted(key)
+        assert list(self.queue) == [w.key for w in self.s.waiting]
+        # No head-of-line blocking: after a poll, a waiting open that fits waits only behind
+        # an open that has been overtaken max_overtakes times.
+        for i, w in enumerate(self.s.waiting):
+            if self._fits(w.max_tokens):
+                assert i > 0 and self.s.waiting[0].overtaken >= self.cfg.max_overtakes
+            assert w.overtaken == self.queue[w.key]
 
     @precondition(lambda self: self.s.sessions)
     @rule(data=st.data())

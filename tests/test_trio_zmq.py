@@ -144,3 +144,24 @@ async def test_a_slow_peer_is_parked_without_holding_up_others(ctx: Ctx) -> None
     slow.close()
     fast.close()
     sock.close()
+
+
+async def test_a_handler_that_raises_costs_one_message_not_the_pump(ctx: Ctx) -> None:
+    sock = TrioSocket(router(ctx, "inproc://faulty"))
+
+    def echo_or_fail(frames: list[bytes]) -> None:
+        if frames[1] == b"boom":
+            raise RecursionError("a handler bug")
+        pump.send_nowait(frames)
+
+    pump = SocketPump(sock, echo_or_fail, routed=True)
+    client = TrioSocket(dealer(ctx, "inproc://faulty"))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pump.run)
+        for body in (b"boom", b"one", b"boom", b"two"):
+            await client.send([body])
+        assert [(await client.recv())[0] for _ in range(2)] == [b"one", b"two"]
+        assert pump.failed == 2
+        nursery.cancel_scope.cancel()
+    client.close()
+    sock.close()

@@ -20,11 +20,14 @@ from transport.wire import (
     Step,
     Tokenize,
     WireError,
+    check_reply,
     decode_reply,
     decode_request,
     encode,
     encode_error,
     hidden_frame,
+    request_limits,
+    show,
 )
 
 N_EMBD = 8
@@ -114,7 +117,7 @@ def test_random_bytes_never_escape(raw: list[bytes]) -> None:
     try:
         decode_request(raw, N_EMBD)
     except WireError as exc:
-        assert exc.code in ("bad_request", "unsupported_version")
+        assert exc.code in ("bad_request", "unsupported_version", "too_large")
 
 
 _values = st.recursive(
@@ -151,3 +154,182 @@ def test_structured_garbage_decodes_or_is_bad_request(
         decode_request([packed, *payload], N_EMBD)
     except WireError as exc:
         assert exc.code in ("bad_request", "unsupported_version") and exc.message
+
+
+# -- hostile headers: whatever their nesting, size or types ------------------------------------
+
+ANSWERS = ("bad_request", "unsupported_version", "too_large")
+
+
+def _decoded_or_refused(raw: list[bytes]) -> None:
+    """The property every byte sequence has: a request, or a WireError with a short message."""
+    try:
+        decode_request(raw, N_EMBD)
+    except WireError as exc:
+        assert exc.code in ANSWERS and 0 < len(exc.message) <= 300, exc.message
+
+
+def _header_with(key: str, value_bytes: bytes) -> bytes:
+    """A header {v: 1, rid: 3, key: value} whose value is the raw msgpack `value_bytes`."""
+    return b"\x83" + b"".join(bytes(msgpack.packb(x)) for x in ("v", 1, "rid", 3, key)) + value_bytes
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    depth=st.integers(1, 5000),
+    opener=st.sampled_from([b"\x91", b"\x81\xa1k", b"\xdc\x00\x01", b"\xde\x00\x01\xa1k"]),
+    key=st.sampled_from(["op", "sampling", "session", "text", "extra"]),
+)
+def test_any_nesting_is_refused_cheaply(depth: int, opener: bytes, key: str) -> None:
+    frame = _header_with(key, opener * depth + b"\xc0")
+    _decoded_or_refused([frame])
+    if depth > 3:  # the header map, then the value: deeper than the limit of 4 levels
+        with pytest.raises(WireError) as info:
+            decode_request([frame], N_EMBD)
+        assert info.value.code == "bad_request"
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    count=st.integers(0, 200_000),
+    item=st.sampled_from([b"\x90", b"\x80", b"\xc0", b"\x01", b"\xa0"]),
+    key=st.sampled_from(["op", "extra"]),
+)
+def test_wide_headers_are_refused_or_decoded(count: int, item: bytes, key: str) -> None:
+    _decoded_or_refused([_header_with(key, b"\xdd" + count.to_bytes(4, "big") + item * count)])
+
+
+@settings(max_examples=30, deadline=None)
+@given(size=st.integers(0, 3 * 2**20), key=st.sampled_from(["op", "text", "session", "extra"]))
+def test_huge_strings_are_refused_or_decoded(size: int, key: str) -> None:
+    frame = msgpack.packb({"v": 1, "rid": 3, "op": "tokenize", "text": "t", key: "x" * size})
+    _decoded_or_refused([frame])
+
+
+def test_limits_and_their_answers() -> None:
+    eight_mib = b"\xdd" + (8 * 2**20).to_bytes(4, "big") + b"\x90" * (8 * 2**20)
+    with pytest.raises(WireError) as info:
+        decode_request([eight_mib], N_EMBD)
+    assert info.value.code == "too_large" and info.value.rid is None
+    with pytest.raises(WireError) as info:
+        decode_request([_header_with("op", b"\x91" * 1000 + b"\xc0")], N_EMBD)
+    assert info.value.code == "bad_request" and len(info.value.message) < 100
+    with pytest.raises(WireError) as info:  # an op of 60000 characters is shown by a short prefix
+        decode_request(frames(base("x" * 60_000)), N_EMBD)
+    assert info.value.code == "bad_request" and info.value.rid == 7 and len(info.value.message) < 100
+    small = request_limits(max_text_bytes=100)
+    assert isinstance(decode_request(frames(base("tokenize", text="é" * 50)), N_EMBD, small), Tokenize)
+    with pytest.raises(WireError) as info:  # 101 bytes of UTF-8
+        decode_request(frames(base("tokenize", text="é" * 50 + "x")), N_EMBD, small)
+    assert info.value.code == "too_large" and info.value.rid == 7 and "100" in info.value.message
+    assert isinstance(decode_request(frames(base("detokenize"), b"\0" * 40), N_EMBD, small, 10), Detokenize)
+    with pytest.raises(WireError) as info:
+        decode_request(frames(base("detokenize"), b"\0" * 44), N_EMBD, small, 10)
+    assert info.value.code == "too_large"
+    with pytest.raises(WireError) as info:  # timestamps and other extension types are not protocol values
+        decode_request([msgpack.packb({**base("ping"), "x": msgpack.ExtType(1, b"ab")})], N_EMBD)
+    assert info.value.code == "bad_request"
+
+
+def test_show_never_echoes_a_whole_value() -> None:
+    assert show("x" * 10_000).startswith("'xxx") and len(show("x" * 10_000)) <= 43
+    assert show([[[]]] * 1000) == "list" and show({"a": 1}) == "dict" and show(7) == "7"
+
+
+# -- sampling ranges ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("sampling", "allowed"),
+    [
+        ({"temperature": float("inf")}, "[0, 100]"),
+        ({"temperature": float("nan")}, "[0, 100]"),
+        ({"temperature": 100.5}, "[0, 100]"),
+        ({"temperature": 2**64 - 1}, "[0, 100]"),
+        ({"temperature": 1e-40}, "1.175494e-38"),  # subnormal in float32
+        ({"temperature": 5e-324}, "1.175494e-38"),
+        ({"temperature": True}, "[0, 100]"),
+        ({"top_p": 1e-45}, "(0, 1]"),
+        ({"top_p": float("nan")}, "(0, 1]"),
+        ({"top_p": 0}, "(0, 1]"),
+        ({"top_p": 1.0000001}, "(0, 1]"),
+        ({"top_k": 2**31}, "[0, 2147483647]"),
+        ({"top_k": -1}, ">= 0"),
+        ({"seed": 1.5}, "integer"),
+    ],
+)  # fmt: skip
+def test_sampling_out_of_range_names_the_range(sampling: dict[str, Any], allowed: str) -> None:
+    with pytest.raises(WireError) as info:
+        decode_request(frames(base("open", session="s", max_tokens=4, sampling=sampling)), N_EMBD)
+    assert info.value.code == "bad_request" and info.value.rid == 7
+    assert allowed in info.value.message, info.value.message
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [{"temperature": 0}, {"temperature": 100}, {"temperature": 1.2e-38}, {"top_p": 1}, {"top_p": 1e-30},
+     {"top_k": 2**31 - 1}, {"seed": -(2**63)}, {"seed": 2**64 - 1}],
+)  # fmt: skip
+def test_sampling_edges_are_accepted(sampling: dict[str, Any]) -> None:
+    o = decode_request(frames(base("open", session="s", max_tokens=4, sampling=sampling)), N_EMBD)
+    assert isinstance(o, Open)
+
+
+# -- replies of a next stage -------------------------------------------------------------------
+
+STAGE = {"first": False, "last": True, "layers": [2, 4], "max_step_tokens": 64, "eog_tokens": [2]}
+SENT_STEP = {"op": "step", "session": "f", "pos": 3, "n": 2, "input": "hidden", "dtype": "f32", "out": "hidden",
+             "out_dtype": "f16"}  # fmt: skip
+HIDDEN_F16 = b"\0" * (2 * N_EMBD * 2)
+
+
+def test_good_replies_pass_the_check() -> None:
+    vocab = 100
+    assert check_reply({"op": "open"}, {"op": "opened", "stage": STAGE}, [], N_EMBD, vocab)
+    result = {"op": "result", "pos": 3, "n": 2, "out": "hidden", "dtype": "f16"}
+    assert check_reply(SENT_STEP, result, [HIDDEN_F16], N_EMBD, vocab)
+    token = {**SENT_STEP, "out": "token"}
+    assert check_reply(token, {**result, "out": "token"}, [np.array([99], "<i4").tobytes()], N_EMBD, vocab)
+    logits = {**SENT_STEP, "out": "logits"}
+    assert check_reply(logits, {**result, "out": "logits"}, [b"\0" * 4 * vocab], N_EMBD, vocab)
+    assert check_reply({"op": "close"}, {"op": "closed", "existed": True}, [], N_EMBD, vocab)
+    error, _ = check_reply(SENT_STEP, {"op": "error", "code": "busy", "message": "m" * 9000}, [], N_EMBD, vocab)
+    assert len(error["message"]) == 512
+
+
+@pytest.mark.parametrize(
+    ("sent", "header", "payload"),
+    [
+        ({"op": "open"}, {"op": "result"}, []),
+        ({"op": "open"}, {"op": "opened"}, []),
+        ({"op": "open"}, {"op": "opened", "stage": {**STAGE, "layers": [4, 2]}}, []),
+        ({"op": "open"}, {"op": "opened", "stage": {**STAGE, "layers": [0, True]}}, []),
+        ({"op": "open"}, {"op": "opened", "stage": {**STAGE, "max_step_tokens": 0}}, []),
+        ({"op": "open"}, {"op": "opened", "stage": {**STAGE, "eog_tokens": [100]}}, []),
+        ({"op": "open"}, {"op": "opened", "stage": {**STAGE, "eog_tokens": list(range(17))}}, []),
+        ({"op": "close"}, {"op": "closed"}, [b"x"]),
+        (SENT_STEP, {"op": "result", "pos": 3, "n": 2, "out": "hidden", "dtype": "f32"}, [HIDDEN_F16]),
+        (SENT_STEP, {"op": "result", "pos": 3, "n": 2, "out": "hidden", "dtype": "f16"}, [HIDDEN_F16 + b"\0"]),
+        (SENT_STEP, {"op": "result", "pos": 3, "n": 2, "out": "hidden", "dtype": "f16"}, []),
+        (SENT_STEP, {"op": "result", "pos": 3.0, "n": 2, "out": "hidden", "dtype": "f16"}, [HIDDEN_F16]),
+        (SENT_STEP, {"op": "result", "pos": 3, "n": 2, "out": "token"}, [b"\0" * 4]),
+        ({**SENT_STEP, "out": "token"}, {"op": "result", "pos": 3, "n": 2, "out": "token"}, [b"\xff" * 4]),
+        (SENT_STEP, {"op": "error", "code": 5, "message": "m"}, []),
+        (SENT_STEP, {"op": "error", "code": "busy", "retry_after_ms": 2**40}, []),
+        (SENT_STEP, {"op": "error", "code": "busy", "message": "m"}, [b"payload"]),
+    ],
+)  # fmt: skip
+def test_malformed_replies_are_downstream(sent: dict[str, Any], header: dict[str, Any], payload: list[bytes]) -> None:
+    with pytest.raises(WireError) as info:
+        check_reply(sent, header, payload, N_EMBD, 100)
+    assert info.value.code == "downstream" and len(info.value.message) < 200
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.binary(max_size=64), min_size=1, max_size=3))
+def test_reply_bytes_decode_or_are_downstream(raw: list[bytes]) -> None:
+    try:
+        header, payload = decode_reply(raw)
+        check_reply(SENT_STEP, header, payload, N_EMBD, 100)
+    except WireError as exc:
+        assert exc.code == "downstream"

@@ -6,11 +6,14 @@ the handler must not block (it queues work elsewhere). On a ROUTER with
 ROUTER_MANDATORY, a peer whose pipe is full (`EAGAIN`) has its messages parked and
 retried without holding up other peers; a peer that is gone (`EHOSTUNREACH`), or
 whose parked backlog passes `max_parked`, is reported through `on_peer_gone`.
+An exception `on_message` lets escape costs that message only: it is logged and
+counted in `failed`, and the pump goes on.
 """
 
 from __future__ import annotations
 
 import errno
+import logging
 from collections import deque
 from collections.abc import Callable
 
@@ -20,6 +23,8 @@ import zmq
 from transport.trio_zmq import TrioSocket
 
 RETRY_PARKED_S = 0.005
+
+log = logging.getLogger("neuron_tai.pump")
 
 
 class SocketPump:
@@ -42,6 +47,7 @@ class SocketPump:
         self._outbox: deque[list[bytes]] = deque()
         self._parked: dict[bytes, deque[list[bytes]]] = {}
         self.gone: set[bytes] = set()
+        self.failed = 0  # messages whose handler raised
 
     def send_nowait(self, frames: list[bytes]) -> bool:
         """Queue frames for sending; False when the outbox is full or the peer is known gone."""
@@ -70,8 +76,12 @@ class SocketPump:
                 frames = self.sock.try_recv()
                 if frames is None:
                     break
-                self.on_message(frames)
                 received += 1
+                try:
+                    self.on_message(frames)
+                except Exception:  # the handler's bug costs this message, never the socket
+                    self.failed += 1
+                    log.exception("a message's handler failed; message dropped")
             if received or self._outbox:
                 await trio.lowlevel.checkpoint()
             elif self._parked:

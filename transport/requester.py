@@ -3,10 +3,11 @@
 The core both the client library and a node's link to its next stage are built on.
 One pump task owns the socket; every waiting request holds a one-shot channel keyed
 by the rid it was sent with. A reply nobody waits for any more (timed out, cancelled)
-is dropped. A streamed request (`stream`) takes every reply with its rid until a final
-one, into a buffer its caller sizes to the most replies it can get. When the pump stops,
-for whatever reason, every waiting request and every later one raises `ClientClosed`
-at once instead of waiting out its timeout.
+is dropped, and so is one that is not a msgpack map within the reply limits or has
+no integer `rid` (counted in `dropped`). A streamed request (`stream`) takes every reply
+with its rid until a final one, into a buffer its caller sizes to the most replies it
+can get. When the pump stops, for whatever reason, every waiting request and every later
+one raises `ClientClosed` at once instead of waiting out its timeout.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import trio
 
 from transport.pump import SocketPump
 from transport.trio_zmq import TrioSocket
-from transport.wire import decode_reply, encode
+from transport.wire import REPLY_LIMITS, HeaderLimits, WireError, decode_reply, encode
 
 Reply = tuple[dict[str, Any], list[bytes]]  # header, payload frames
 
@@ -42,12 +43,14 @@ class _Waiting:
 
 
 class Requester:
-    def __init__(self, sock: TrioSocket, *, max_outbox: int = 4096) -> None:
+    def __init__(self, sock: TrioSocket, *, max_outbox: int = 4096, limits: HeaderLimits = REPLY_LIMITS) -> None:
         self.sock = sock
+        self.limits = limits
         self.pump = SocketPump(sock, self._on_message, max_outbox=max_outbox)
         self._rids = itertools.count(1)
         self._waiting: dict[int, _Waiting] = {}
         self.closed = False
+        self.dropped = 0  # replies that could not be read or matched
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Own the socket; when this stops, the waiting requests fail."""
@@ -60,12 +63,17 @@ class Requester:
 
     def _on_message(self, frames: list[bytes]) -> None:
         try:
-            header, payload = decode_reply(frames)
-        except Exception:  # a broken reply is the peer's fault; there is nothing to match it to
+            header, payload = decode_reply(frames, self.limits)
+        except WireError:  # a broken reply is the peer's fault; there is nothing to match it to
+            self.dropped += 1
             return
-        rid = header.get("rid", -1)
+        rid = header.get("rid")
+        if type(rid) is not int:
+            self.dropped += 1
+            return
         waiting = self._waiting.get(rid)
         if waiting is None:
+            self.dropped += 1
             return
         if waiting.final_ops is None or header.get("op") in waiting.final_ops or header.get("op") == "error":
             del self._waiting[rid]

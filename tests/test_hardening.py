@@ -1,0 +1,216 @@
+"""Hostile peers against real node processes: nothing a peer sends stops a node.
+
+Each test plays an attacker (or a broken next stage) and a well-behaved second peer,
+and checks the attacker gets an error reply (or nothing) while the other is served.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+import zmq
+
+from bench.processes import free_ports
+from tests.nodes import NodeProcess, running
+
+REPLY_TIMEOUT_MS = 30_000  # "no reply" only: no assertion depends on how fast a reply is
+
+
+class Peer:
+    """A plain DEALER speaking protocol v1 by hand."""
+
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], address: str) -> None:
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+        self.rids = itertools.count(1)
+
+    def send(self, op: str, *payload: bytes, **keys: Any) -> int:
+        rid = next(self.rids)
+        self.sock.send_multipart([msgpack.packb({"v": 1, "op": op, "rid": rid, **keys}), *payload])
+        return rid
+
+    def recv(self) -> tuple[dict[str, Any], list[bytes]]:
+        if not self.sock.poll(REPLY_TIMEOUT_MS):
+            raise AssertionError("no reply")
+        frames = self.sock.recv_multipart()
+        return msgpack.unpackb(frames[0]), frames[1:]
+
+    def request(self, op: str, *payload: bytes, **keys: Any) -> tuple[dict[str, Any], list[bytes]]:
+        rid = self.send(op, *payload, **keys)
+        header, frames = self.recv()
+        assert header["rid"] == rid
+        return header, frames
+
+
+@contextmanager
+def node_process(model: Path, *extra: str) -> Iterator[tuple[NodeProcess, zmq.Context[zmq.Socket[bytes]]]]:
+    node = NodeProcess(model, f"tcp://127.0.0.1:{free_ports(1)[0]}", extra)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        with running(node):
+            yield node, ctx
+            assert node.proc is not None and node.proc.poll() is None, "the node stopped"
+            assert node.stop() == 0
+    finally:
+        ctx.destroy(linger=0)
+
+
+def pack(value: Any) -> bytes:
+    return bytes(msgpack.packb(value))
+
+
+def header_with(op_bytes: bytes) -> bytes:
+    """A request header whose `op` value is the raw msgpack `op_bytes`."""
+    return b"\x83" + pack("v") + pack(1) + pack("rid") + pack(9) + pack("op") + op_bytes
+
+
+def reply(op: str, rid: Any, **keys: Any) -> bytes:
+    return pack({"v": 1, "op": op, "rid": rid, **keys})
+
+
+def test_nested_and_huge_headers_do_not_stop_the_node(tiny_model: Path) -> None:
+    with node_process(tiny_model) as (node, ctx):
+        attacker, other = Peer(ctx, node.address), Peer(ctx, node.address)
+        attacker.sock.send_multipart([header_with(b"\x91" * 1000 + b"\xc0")])  # op: [[[...[nil]...]]], about 1 KB
+        nested, _ = attacker.recv()
+        assert nested["code"] == "bad_request" and len(nested["message"]) < 200
+        huge = b"\xdd" + (8 * 2**20).to_bytes(4, "big") + b"\x90" * (8 * 2**20)  # 8 MiB array of empty arrays
+        for _ in range(10):
+            attacker.sock.send_multipart([huge])
+        pong, _ = other.request("ping")  # the other peer is answered while those are refused
+        assert pong["op"] == "pong"
+        refusals = [attacker.recv()[0] for _ in range(10)]
+        assert {r["code"] for r in refusals} == {"too_large"} and all(r["rid"] is None for r in refusals)
+        stats, _ = other.request("stats")
+        assert stats["stats"]["errors_total"]["too_large"] == 10
+        assert stats["stats"]["max_header_bytes"] < 2 * 2**20
+        deep_map = header_with(b"\x81\xa1k" * 3000 + b"\xc0")  # maps nested far past msgpack's own stack
+        wide = header_with(pack([[0] * 60] * 60))  # more arrays than a header may hold
+        for frame in (deep_map, wide, b"\xc1" * 100):
+            attacker.sock.send_multipart([frame])
+            assert attacker.recv()[0]["code"] == "bad_request"
+        opened, _ = other.request("open", session="s", max_tokens=8)
+        assert opened["op"] == "opened"
+
+
+def test_max_size_tokenize_runs_off_the_event_loop(tiny_model: Path) -> None:
+    limit = 2**20
+    words = np.random.default_rng(0).choice(["the", "cat", "sat", "on", "a", "mat"], size=limit // 2)
+    text = " ".join(words.tolist())[:limit]
+    flags = ("--max-text-bytes", str(limit), "--max-text-tokens", str(2 * limit))  # the tiny vocab: ~1 token a byte
+    with node_process(tiny_model, *flags) as (node, ctx):
+        tokenizer, pinger = Peer(ctx, node.address), Peer(ctx, node.address)
+        too_large, _ = tokenizer.request("tokenize", text=text + "x")
+        assert too_large["code"] == "too_large" and str(limit) in too_large["message"]
+        rids = [tokenizer.send("tokenize", text=text) for _ in range(4)]
+        own_ping = tokenizer.send("ping")  # behind the tokenizes on the same connection
+        events: list[str] = []
+        poller = zmq.Poller()
+        poller.register(tokenizer.sock, zmq.POLLIN)
+        poller.register(pinger.sock, zmq.POLLIN)
+        pinger.send("ping")
+        replies: list[tuple[dict[str, Any], list[bytes]]] = []
+        while len(replies) < len(rids) or "own pong" not in events:
+            ready = dict(poller.poll(REPLY_TIMEOUT_MS))
+            assert ready, "no reply"
+            if tokenizer.sock in ready:
+                header, frames = tokenizer.recv()
+                if header["rid"] == own_ping:
+                    events.append("own pong")
+                else:
+                    replies.append((header, frames))
+                    events.append("tokens")
+            if pinger.sock in ready:
+                assert pinger.recv()[0]["op"] == "pong"
+                events.append("pong")
+                pinger.send("ping")
+        for header, frames in replies:
+            assert header["op"] == "tokens", header["message"]
+            assert header["n"] == len(frames[0]) // 4 > limit // 4
+        # The ping that arrived after the tokenizes was answered before any of them: their work
+        # did not hold up the pump. The other peer's pings were answered while it went on.
+        assert events.index("own pong") < events.index("tokens"), events
+        assert "pong" in events[events.index("tokens") :], events
+        ids = np.frombuffer(replies[0][1][0], "<i4")
+        text_reply, _ = tokenizer.request("detokenize", ids[: 2**12].tobytes())
+        assert text_reply["op"] == "text" and text_reply["text"]
+        over, _ = tokenizer.request("detokenize", np.resize(ids, 2 * limit + 1).tobytes())
+        assert over["code"] == "too_large"
+
+
+def test_garbage_from_the_next_stage_is_downstream_not_a_stopped_node(tiny_shards2: list[Path]) -> None:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    fake_next = ctx.socket(zmq.ROUTER)  # a next stage that answers what the test tells it to
+    fake_next.setsockopt(zmq.LINGER, 0)
+    port = fake_next.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        with node_process(tiny_shards2[0], "--next", f"tcp://127.0.0.1:{port}") as (head, node_ctx):
+            client = Peer(node_ctx, head.address)
+
+            def forwarded() -> tuple[bytes, dict[str, Any]]:
+                assert fake_next.poll(REPLY_TIMEOUT_MS), "nothing was forwarded"
+                frames = fake_next.recv_multipart()
+                return frames[0], msgpack.unpackb(frames[1])
+
+            def open_answered_with(make: Any) -> dict[str, Any]:
+                client.send("open", session="s", max_tokens=16)
+                peer, req = forwarded()
+                assert req["op"] == "open"
+                fake_next.send_multipart([peer, *make(req["rid"])])
+                return client.recv()[0]
+
+            stage = {"first": False, "last": True, "layers": [2, 4], "max_step_tokens": 64, "eog_tokens": [2]}
+            garbage = [
+                lambda rid: [reply("result", rid)],  # the wrong answer
+                lambda rid: [reply("opened", rid, stage={"last": "yes"})],
+                lambda rid: [reply("opened", rid, stage={**stage, "layers": [9]})],
+                lambda rid: [reply("opened", rid, stage=stage), b"extra"],
+                lambda rid: [reply("error", rid, code=[1], message="x")],
+                lambda rid: [reply("error", rid, code="busy", retry_after_ms=-5)],
+                lambda rid: [b"\x91" * 2000 + b"\xc0"],  # not readable at all: no answer, then downstream
+                lambda rid: [reply("opened", [rid], stage=stage)],  # cannot be matched: no answer
+            ]
+            for make in garbage:
+                answer = open_answered_with(make)
+                assert answer["op"] == "error" and answer["code"] == "downstream", answer
+            relayed = open_answered_with(lambda rid: [reply("error", rid, code="busy", message="m" * 5000)])
+            assert relayed["code"] == "busy" and len(relayed["message"]) <= 512
+            opened = open_answered_with(lambda rid: [reply("opened", rid, stage=stage, kv_reserved=16)])
+            assert opened["op"] == "opened" and opened["stage"]["layers"] == [0, 4]
+
+            def step_answered_with(make: Any) -> dict[str, Any]:
+                client.send("step", np.array([1, 5], "<i4").tobytes(), session="s", pos=0, n=2, input="tokens",
+                            out="token")  # fmt: skip
+                peer, req = forwarded()
+                assert req["op"] == "step" and req["n"] == 2
+                fake_next.send_multipart([peer, *make(req)])
+                return client.recv()[0]
+
+            def result(req: dict[str, Any], **changes: Any) -> bytes:
+                keys = {"session": req["session"], "pos": 0, "n": 2, "out": "token", **changes}
+                return reply("result", req["rid"], **keys)
+
+            token = np.array([7], "<i4").tobytes()
+            for make in [
+                lambda req: [result(req), token + token],  # wrong payload size
+                lambda req: [result(req), np.array([10**6], "<i4").tobytes()],  # not a token id
+                lambda req: [result(req, pos=1), token],
+                lambda req: [result(req, out="logits"), token],
+                lambda req: [result(req)],
+            ]:
+                answer = step_answered_with(make)
+                assert answer["code"] == "downstream", answer
+            done = step_answered_with(lambda req: [result(req), token])  # rolled back: resend works
+            assert done["op"] == "result" and done["pos"] == 0
+            stats, _ = client.request("stats")
+            downstream = stats["stats"]["downstream"]
+            assert downstream["malformed_total"] == 11 and downstream["replies_dropped_total"] >= 2
+    finally:
+        fake_next.close()
