@@ -289,6 +289,15 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert isinstance(r, Rejection) and r.message
             assert r.code in (ErrorCode.BUSY, ErrorCode.POSITION, ErrorCode.TOO_LARGE)
 
+    @rule()
+    def everyone_decodes(self) -> None:
+        """Every idle session sends its next token at once, as sessions in phase do."""
+        for key, session in self.s.sessions.items():
+            if session.step is None and session.length < session.max_tokens:
+                assert isinstance(self.s.submit(key, session.length, 1, 4, self.now), Step)
+                self.lengths[key] = session.length
+                self.plans_since_submit[key] = 0
+
     @rule(fail=st.sampled_from([False, False, False, True]))
     def run_one(self, fail: bool) -> None:
         decode_ready = {k for k, s in self.s.sessions.items() if s.step is not None and s.step.is_decode}
