@@ -54,6 +54,10 @@ bench-engine: bench-setup
 bench-node: bench-setup
     {{py}} -m bench.node_sweep
 
+# Micro-batches 1 vs 2 on a single node and a 2-stage chain at concurrency 8 (evidence/micro_batches.json).
+bench-micro-batches: bench-setup
+    {{py}} -m bench.micro_batches
+
 # The three component sweeps; each writes its evidence even when another misses its target.
 bench-sweeps: bench-setup
     status=0; \

@@ -97,6 +97,11 @@ class EngineConfig:
     # While sessions decode, an iteration's prefill rows may add about this many decode steps'
     # time (sized from measured step times; engine/pacing.py), so decode latency stays bounded.
     prefill_share: float = 1.0
+    # Session groups run in calls of their own, each answered as soon as it is computed: at a
+    # chain's head, one group's hidden states travel on (and compute downstream) while the next
+    # group computes here. 1 runs every session in one call (nothing to overlap on a single node);
+    # None: 1, or 2 when a node has a next stage (the node decides).
+    micro_batches: int | None = None
 
     def context(self) -> ContextConfig:
         return ContextConfig(
@@ -219,6 +224,7 @@ class Engine:
                 max_overtakes=config.max_overtakes,
                 batch_invariant=config.batch_invariant,
                 pad_rows=self.pad_rows,
+                micro_batches=config.micro_batches or 1,
             )
         )
         output_rows = config.n_batch if (not self.info.last or config.batch_invariant) else config.max_sessions
@@ -245,7 +251,8 @@ class Engine:
         self.draining = False
         self.stopped = trio.Event()
         self._idle_scope: trio.CancelScope | None = None
-        self._coming_back: set[Any] = set()  # answered last iteration, next step not yet here
+        # Answered, next step not here yet: kept until their group runs again (then they are late).
+        self._coming_back: set[Any] = set()
         self._pace = PrefillPace()
 
     # -- the API other tasks use ----------------------------------------------------
@@ -351,6 +358,7 @@ class Engine:
                 if plan is None:
                     await self._wait_for_work()
                     continue
+                self._forget_late(plan)
                 for call in plan.calls:
                     await self._execute(Plan(plan.iteration, (call,)))
                 await self._linger()
@@ -395,21 +403,39 @@ class Engine:
         self._idle_scope = None
 
     async def _linger(self) -> None:
-        """Give the sessions just answered a moment to send their next step."""
+        """Give the sessions just answered a moment to send their next step, so they run together.
+
+        Lingering ends as soon as some group of sessions (a micro-batch) has work and none of
+        its members is still expected: one group's stragglers never hold up another group
+        that is ready. A stage fed by another stage does not linger: its upstream sets the
+        rhythm, and a session it answered comes back only after the upstream computed again.
+        """
         await trio.lowlevel.checkpoint()  # in-process requesters answer within one checkpoint
         self._drain_inbox()
         limit = min(self.config.linger_ms, 0.1 * self.scheduler.estimates.step_ms) / 1000
-        if not self._coming_back or limit <= 0:
-            self._coming_back.clear()
+        if not self.info.first or limit <= 0 or not self._lingering():
             return
         started = time.perf_counter()
         with trio.move_on_after(limit):
-            while self._coming_back:
+            while self._lingering():
                 request, reply = await self._inbox.receive()
                 self._handle(request, reply)
         self.telemetry.linger_seconds_total += time.perf_counter() - started
-        self.telemetry.late_sessions_total += len(self._coming_back)
-        self._coming_back.clear()
+
+    def _lingering(self) -> bool:
+        """Whether every group with work still expects some of its members back."""
+        sessions = self.scheduler.sessions
+        expected = {sessions[key].group for key in self._coming_back if key in sessions}
+        ready = {s.group for s in sessions.values() if s.step is not None}
+        return bool(expected) and ready <= expected
+
+    def _forget_late(self, plan: Plan) -> None:
+        """The groups about to run stop waiting for their members that are not back: those are late."""
+        sessions = self.scheduler.sessions
+        running = {sessions[c.key].group for c in plan.chunks}
+        late = {key for key in self._coming_back if key not in sessions or sessions[key].group in running}
+        self.telemetry.late_sessions_total += sum(1 for key in late if key in sessions)
+        self._coming_back -= late
 
     def _housekeeping(self) -> None:
         now = _now_ms()
@@ -678,6 +704,7 @@ class Engine:
             "scratch_bytes": b.scratch_bytes,
             "kernel_path": self.backend.model.kernel_path.value,
             "pad_rows": self.pad_rows if self.config.batch_invariant else 0,
+            "micro_batches": s.config.micro_batches,
             "weight_buffers": dict(self.backend.model.weight_buffers),
             "step_seconds": t.step_seconds.snapshot(),
             "errors_total": dict(t.errors),

@@ -15,6 +15,10 @@ plans it returns, and reports back. The policy (DESIGN.md):
   waiting open is overtaken more than `max_overtakes` times: from then on it holds
   admission until it fits or expires, so small opens cannot starve a large one.
 - Queued payload bytes are bounded; over the budget a step is `busy` at once.
+- Micro-batches (`micro_batches` > 1, a chain's head): every session belongs to one of
+  that many groups for its whole life (admitted to the smallest), and an iteration runs
+  one call per group with work, so a group's replies go out (to the next stage) while
+  the next group computes. Every ready decode is still planned in every iteration.
 - Batch-invariant mode: decode rows are padded to a multiple of `pad_rows` and each
   prefill chunk runs in a call of its own with boundaries fixed by position, so a
   session's batch shapes do not depend on what else is being served.
@@ -59,8 +63,11 @@ class SchedulerConfig:
     pad_rows: int = 8
     max_wait_ms: int = 60_000  # an open's wait_ms is capped to this
     max_overtakes: int = 4  # opens admitted ahead of a waiting one before it blocks admission
+    micro_batches: int = 1  # session groups, each run in calls of its own (1: one call for all)
 
     def __post_init__(self) -> None:
+        if self.micro_batches < 1:
+            raise ValueError(f"need micro_batches >= 1, not {self.micro_batches}")
         if not 1 <= self.max_sessions <= self.n_batch:
             # Decode rows never exceed n_batch - 1 while anyone prefills: prefill always progresses.
             raise ValueError(f"need 1 <= max_sessions ({self.max_sessions}) <= n_batch ({self.n_batch})")
@@ -108,6 +115,7 @@ class Session:
     length: int = 0
     step: Step | None = None
     last_active_ms: float = 0.0
+    group: int = 0  # its micro-batch, fixed at admission
 
 
 @dataclass(slots=True)
@@ -225,7 +233,11 @@ class Scheduler:
         return self._shortage(max_tokens)
 
     def _admit(self, key: SessionKey, max_tokens: int, now_ms: float) -> Session:
-        session = Session(key, max_tokens, opened_ms=now_ms, last_active_ms=now_ms)
+        sizes = [0] * self.config.micro_batches
+        for other in self.sessions.values():
+            sizes[other.group] += 1
+        group = sizes.index(min(sizes))
+        session = Session(key, max_tokens, opened_ms=now_ms, last_active_ms=now_ms, group=group)
         self.sessions[key] = session
         self.kv_reserved += max_tokens
         return session
@@ -338,25 +350,30 @@ class Scheduler:
             (s for s in self.sessions.values() if s.step is not None and s.step.is_decode),
             key=lambda s: s.step.arrival if s.step else 0,
         )[: cfg.n_batch]
-        decode_chunks = tuple(Chunk(s.key, s.seq, s.length, 0, 1, True) for s in decodes)
+        decode_chunks = [Chunk(s.key, s.seq, s.length, 0, 1, True) for s in decodes]
         calls: list[Call] = []
         if cfg.batch_invariant:
-            if decode_chunks:
-                pad = _round_up(len(decode_chunks), cfg.pad_rows) - len(decode_chunks)
-                calls.append(Call(decode_chunks, pad))
+            for group in self._by_group(decode_chunks):
+                calls.append(Call(group, _round_up(len(group), cfg.pad_rows) - len(group)))
             prefill = self._prefill_chunks(cfg.max_prefill_tokens, aligned=True, limit_sessions=1)
             calls += [Call((c,)) for c in prefill]
         else:
             budget = min(cfg.n_batch - len(decode_chunks), cfg.max_prefill_tokens)
             if decode_chunks and prefill_budget is not None:
                 budget = min(budget, max(0, prefill_budget))
-            chunks = decode_chunks + tuple(self._prefill_chunks(budget, aligned=False))
-            if chunks:
-                calls.append(Call(chunks))
+            chunks = decode_chunks + self._prefill_chunks(budget, aligned=False)
+            calls += [Call(group) for group in self._by_group(chunks)]
         if not calls:
             return None
         self.iteration += 1
         return Plan(self.iteration, tuple(calls))
+
+    def _by_group(self, chunks: list[Chunk]) -> list[tuple[Chunk, ...]]:
+        """Chunks split by their sessions' micro-batch; the group whose work came first runs first."""
+        groups: dict[int, list[Chunk]] = {}
+        for chunk in chunks:  # decodes (in arrival order) first: a group's first chunk is its oldest decode
+            groups.setdefault(self.sessions[chunk.key].group, []).append(chunk)
+        return [tuple(g) for g in groups.values()]
 
     def _prefill_chunks(self, budget: int, *, aligned: bool, limit_sessions: int | None = None) -> list[Chunk]:
         """Round-robin: serve prefilling sessions in turn; whoever was served goes to the back."""

@@ -106,6 +106,7 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
         limits=Limits(weights=args.weight_budget, kv=args.kv_budget, scratch=args.scratch_budget),
         linger_ms=args.linger_ms,
         prefill_share=args.prefill_share,
+        micro_batches=args.micro_batches,
     )
     return NodeConfig(
         engine=engine,
@@ -290,6 +291,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=1.0,
         help="while sessions decode, an iteration's prefill may add this many decode steps' time "
         "(higher: faster prefill and more throughput, longer gaps between tokens)",
+    )
+    serve.add_argument(
+        "--micro-batches",
+        type=int,
+        default=None,
+        help="run sessions in this many groups, each sent on to the next stage while the next computes "
+        "(default: 2 with --next, else 1 = off; a chain of N stages keeps all busy with N)",
     )
     serve.add_argument("--idle-timeout", type=float, default=600.0, help="close sessions idle this long (s; 0 off)")
     serve.add_argument("--max-message-bytes", type=_bytes, default=64 * 2**20, help="ZMQ_MAXMSGSIZE")

@@ -25,7 +25,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import numpy as np
@@ -586,8 +586,11 @@ class Node:
 @asynccontextmanager
 async def open_node(config: NodeConfig) -> AsyncIterator[Node]:
     """Run a node inside the caller's Trio program; drains and closes on exit."""
+    engine_config = config.engine
+    if engine_config.micro_batches is None:  # a head overlaps its micro-batches with the next stage's
+        engine_config = replace(engine_config, micro_batches=2 if config.next else 1)
     with open_zmq_context(config.curve) as (ctx, allow):
-        async with open_engine(config.engine) as engine:
+        async with open_engine(engine_config) as engine:
             node = Node(config, engine, ctx, allow)
             try:
                 async with trio.open_nursery() as nursery:

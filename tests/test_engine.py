@@ -468,3 +468,22 @@ async def test_idle_sessions_are_closed(tiny_model: Path) -> None:
                 break
             await trio.sleep(0.01)
         assert engine.stats()["sessions_active"] == 0 and engine.stats()["kv_cells_reserved"] == 0
+
+
+@pytest.mark.parametrize(("micro_batches", "late"), [(2, 0), (1, 1)])
+async def test_a_group_runs_without_the_absent_members_of_another(
+    micro_batches: int, late: int, tiny_model: Path
+) -> None:
+    """With micro-batches, a session that has not sent its next step is expected by its own group
+    only: the other group's calls run without it and do not count it late."""
+    async with open_engine(config(tiny_model, micro_batches=micro_batches)) as engine:
+        for name in ("a", "b"):
+            assert isinstance(await engine.request(OpenRequest("c", name, 32)), Opened)
+        groups = [s.group for s in engine.scheduler.sessions.values()]
+        assert groups == ([0, 1] if micro_batches == 2 else [0, 0])
+        for name in ("a", "b"):  # both answered: both expected back
+            assert isinstance(await engine.request(StepRequest("c", name, 0, Output.TOKEN, tokens([1, 5]))), StepDone)
+        for pos in range(2, 6):  # "a" stays away; "b" goes on
+            assert isinstance(await engine.request(StepRequest("c", "b", pos, Output.TOKEN, tokens([7]))), StepDone)
+        assert engine.stats()["late_sessions_total"] == late
+        assert engine.stats()["micro_batches"] == micro_batches

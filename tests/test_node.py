@@ -498,3 +498,49 @@ async def test_chained_step_is_in_flight_until_the_next_stage_answers(tiny_shard
             assert replies[0].token == 7
     finally:
         fake_next.close()
+
+
+async def test_micro_batched_chain_is_bit_identical_to_one_node(tiny_model: Path, tiny_shards2: list[Path]) -> None:
+    """Batch-invariant: sessions stepped together through a micro-batching head get the logits each
+    gets alone on a single node, and the head never mixes its two groups in one call."""
+    kw: dict[str, Any] = {"batch_invariant": True, "flash_attn": True, "max_prefill_tokens": 16}
+    prompts = {f"s{i}": prompt(10 + i, 5 + 3 * i) for i in range(4)}
+    steps = 12
+
+    async def trace(client: Client, session: str, ids: list[int]) -> list[bytes]:
+        r = await client.step(session, 0, tokens=ids, out="logits")
+        out = []
+        for i in range(steps):
+            assert r.logits is not None
+            out.append(r.logits.tobytes())
+            r = await client.step(session, len(ids) + i, tokens=[int(np.argmax(r.logits))], out="logits")
+        return out
+
+    alone: dict[str, list[bytes]] = {}
+    async with node_and_client(tiny_model, **kw) as (_node, client):
+        for name, ids in prompts.items():
+            await client.open(name, 64)
+            alone[name] = await trace(client, name, ids)
+    tail_cfg = NodeConfig(engine_config(tiny_shards2[1], **kw), bind="tcp://127.0.0.1:0")
+    async with open_node(tail_cfg) as tail:
+        head_cfg = NodeConfig(engine_config(tiny_shards2[0], record_iterations=True, **kw),
+                              bind="tcp://127.0.0.1:0", next=tail.address)  # fmt: skip
+        async with open_node(head_cfg) as head, open_client(head.address, timeout_s=10) as client:
+            assert head.stats()["micro_batches"] == 2 and tail.stats()["micro_batches"] == 1
+            for name in prompts:
+                await client.open(name, 64)
+            group = {key[1]: s.group for key, s in head.engine.scheduler.sessions.items()}
+            chained: dict[str, list[bytes]] = {}
+
+            async def run(name: str) -> None:
+                chained[name] = await trace(client, name, prompts[name])
+
+            async with trio.open_nursery() as nursery:
+                for name in prompts:
+                    nursery.start_soon(run, name)
+            calls = list(head.engine.iterations)
+    assert sorted(group.values()) == [0, 0, 1, 1]
+    assert chained == alone
+    for call in calls:
+        assert len({group[key[1]] for key, *_ in call.chunks}) == 1, "a call mixed micro-batches"
+    assert sum(1 for call in calls for chunk in call.chunks if chunk[3]) == len(prompts) * steps

@@ -230,14 +230,56 @@ def test_invariant_mode_keeps_every_call_under_the_attention_tile() -> None:
         replace(wide, max_prefill_tokens=64)
 
 
+def test_micro_batches_are_stable_balanced_groups_each_in_a_call_of_its_own() -> None:
+    s = Scheduler(replace(CFG, max_sessions=5, micro_batches=2))
+    for i, key in enumerate("abcde"):
+        opened(s, key, seq=i)
+    assert [s.sessions[k].group for k in "abcde"] == [0, 1, 0, 1, 0]  # each admitted to the smallest group
+    for key in "edcba":  # arrival order: e's group (0) runs first
+        s.submit(key, 0, 1, 4, 0.0)
+    plan = s.plan()
+    assert plan is not None
+    assert [[c.key for c in call.chunks] for call in plan.calls] == [["e", "c", "a"], ["d", "b"]]
+    run(s, plan)
+    s.submit("b", 1, 1, 4, 0.0)  # only group 1 is back: it runs alone
+    plan = s.plan()
+    assert plan is not None and [[c.key for c in call.chunks] for call in plan.calls] == [["b"]]
+    run(s, plan)
+    s.close("b", 0.0)
+    s.close("d", 0.0)
+    opened(s, "f", seq=5)
+    assert s.sessions["f"].group == 1 and s.sessions["e"].group == 0  # members stay; newcomers fill the smallest
+
+
+def test_micro_batches_carry_their_own_prefill_and_pad_each_invariant_call() -> None:
+    s = Scheduler(replace(CFG, micro_batches=2))
+    for i, key in enumerate("abc"):
+        opened(s, key, seq=i)
+    s.submit("a", 0, 1, 4, 0.0)
+    s.submit("b", 0, 1, 4, 0.0)
+    s.submit("c", 0, 5, 20, 0.0)  # group 0, like a
+    plan = s.plan()
+    assert plan is not None
+    assert [[(c.key, c.count) for c in call.chunks] for call in plan.calls] == [[("a", 1), ("c", 5)], [("b", 1)]]
+    s = Scheduler(replace(CFG, micro_batches=2, batch_invariant=True, pad_rows=4))
+    for i, key in enumerate("abc"):
+        opened(s, key, seq=i)
+        s.submit(key, 0, 1, 4, 0.0)
+    plan = s.plan()
+    assert plan is not None and [(call.rows, call.pad_rows) for call in plan.calls] == [(4, 2), (4, 3)]
+
+
 class SchedulerMachine(RuleBasedStateMachine):
     """Random opens, steps (decodes, prefills, rewinds), runs, failures and closes."""
+
+    micro_batches = 1
 
     def __init__(self) -> None:
         super().__init__()
         self.cfg = SchedulerConfig(
             max_sessions=5, kv_cells=120, n_batch=8, max_prefill_tokens=5, max_step_tokens=20,
             queue_budget_bytes=200, batch_invariant=False, max_wait_ms=100, max_overtakes=2,
+            micro_batches=self.micro_batches,
         )  # fmt: skip
         self.s = Scheduler(self.cfg)
         self.now = 0.0
@@ -247,6 +289,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         # The model of the queue: waiting opens in arrival order, with how many opens were
         # admitted while each waited ahead of them.
         self.queue: dict[str, int] = {}
+        self.groups: dict[str, int] = {}  # the model: a session's micro-batch, from admission on
+
+    def _grouped(self, session: Session) -> None:
+        sizes = [0] * self.cfg.micro_batches
+        for key in self.groups:
+            if key in self.s.sessions:
+                sizes[self.groups[key]] += 1
+        assert sizes[session.group] == min(sizes), "a session joins a smallest group"
+        self.groups[session.key] = session.group
 
     def _fits(self, max_tokens: int) -> bool:
         free = self.cfg.kv_cells - self.s.kv_reserved - self.s.kv_held
@@ -272,6 +323,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         if isinstance(r, Session):
             assert fits and not head_holds
             self._admitted(key)
+            self._grouped(r)
         elif isinstance(r, Waiter):
             assert r.deadline_ms <= self.now + self.cfg.max_wait_ms
             assert not fits or head_holds, "an open that fits waited without a reason"
@@ -284,6 +336,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     def tick(self, data: st.DataObject) -> None:
         self.now += data.draw(st.sampled_from([1.0, 20.0, 50.0]))
         admitted, expired = self.s.poll_waiting(self.now)
+        for _, session in admitted:
+            self._grouped(session)
         for _, why in expired:
             assert why.code in (ErrorCode.KV_BUDGET, ErrorCode.SESSION_LIMIT) and why.retry_after_ms
         for waiter, session in admitted:
@@ -317,6 +371,15 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert isinstance(r, Rejection) and r.message
             assert r.code in (ErrorCode.BUSY, ErrorCode.POSITION, ErrorCode.TOO_LARGE)
 
+    @rule()
+    def everyone_decodes(self) -> None:
+        """Every idle session sends its next token at once, as sessions in phase do."""
+        for key, session in self.s.sessions.items():
+            if session.step is None and session.length < session.max_tokens:
+                assert isinstance(self.s.submit(key, session.length, 1, 4, self.now), Step)
+                self.lengths[key] = session.length
+                self.plans_since_submit[key] = 0
+
     @rule(fail=st.sampled_from([False, False, False, True]))
     def run_one(self, fail: bool) -> None:
         decode_ready = {k for k, s in self.s.sessions.items() if s.step is not None and s.step.is_decode}
@@ -331,8 +394,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         chunks = list(plan.chunks)
         prefill_rows = sum(c.count for c in chunks if c.key not in decode_ready)
         assert prefill_rows <= self.cfg.max_prefill_tokens
-        if prefill_rows:
-            assert decode_ready <= {c.key for c in chunks}, "a decode-ready session was left out"
+        assert decode_ready <= {c.key for c in chunks}, "a decode-ready session was left out"
+        call_groups = [{self.groups[c.key] for c in call.chunks} for call in plan.calls]
+        assert all(len(g) == 1 for g in call_groups), "a call carries one micro-batch"
+        assert len(call_groups) == len({min(g) for g in call_groups}), "one call per micro-batch"
         for c in chunks:
             assert c.pos == self.lengths[c.key], "positions must stay contiguous and in order"
         assert len({c.key for c in chunks}) == len(chunks)
@@ -377,10 +442,19 @@ class SchedulerMachine(RuleBasedStateMachine):
         for key, session in s.sessions.items():
             assert session.length == self.lengths[key]
             assert session.length <= session.max_tokens
+            assert session.group == self.groups[key], "micro-batch membership never changes"
 
 
 TestSchedulerMachine = SchedulerMachine.TestCase
 TestSchedulerMachine.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
+
+
+class MicroBatchMachine(SchedulerMachine):
+    micro_batches = 3
+
+
+TestMicroBatchMachine = MicroBatchMachine.TestCase
+TestMicroBatchMachine.settings = settings(max_examples=100, stateful_step_count=60, deadline=None)
 
 
 @given(
