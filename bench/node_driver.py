@@ -1,14 +1,17 @@
 """The bench's one session driver: open, prefill, decode, close, the way an upstream client does.
 
 It drives anything with the node client's session calls (`SessionClient`): a node over
-ZeroMQ (`neuron_tai.client.Client`) or the engine in process (`bench.engine_sweep`).
+ZeroMQ (`neuron_tai.client.Client`) or the engine in process (`bench.engine_sweep`). A node
+client generates on the node (server-side `generate`, as `neuron-tai generate` does)
+unless the run feeds forced tokens or reads logits, which take one step per token.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from contextlib import aclosing
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -16,7 +19,7 @@ import trio
 
 from bench.latency import Trace
 from bench.workload import Request
-from neuron_tai.client import NodeError, StepReply
+from neuron_tai.client import Done, Generated, NodeError, StepReply
 
 
 class SessionClient(Protocol):
@@ -25,6 +28,15 @@ class SessionClient(Protocol):
     async def step(self, session: str, pos: int, *, tokens: list[int], out: str) -> StepReply: ...
 
     async def close_on_exit(self, session: str) -> None: ...
+
+
+@runtime_checkable
+class GeneratingClient(SessionClient, Protocol):
+    """A client of a node that runs the token loop itself (server-side `generate`)."""
+
+    def generate_tokens(
+        self, session: str, pos: int, tokens: list[int], max_new: int, *, ignore_eog: bool = ...
+    ) -> AsyncGenerator[Generated | Done, None]: ...
 
 
 WAIT_MS = 120_000  # opens beyond the node's session limit wait for room rather than fail
@@ -63,6 +75,20 @@ async def generate(
         await client.open(session, req.max_tokens, wait_ms=WAIT_MS)
     except NodeError as exc:
         raise OpenRefused(exc.code, str(exc)) from exc
+    if isinstance(client, GeneratingClient) and forced is None and on_logits is None:
+        try:  # the node runs the token loop: no round trip per token
+            while True:
+                try:
+                    await _generate_on_node(client, req, session, trace)
+                    break
+                except NodeError as exc:  # refused before its first token: nothing ran, send it again
+                    if exc.code != "busy" or busy is None or trace.tokens:
+                        raise
+                    busy.append(exc.retry_after_ms or 0)
+                    await trio.sleep(max(exc.retry_after_ms or 0, 1) / 1000)
+        finally:
+            await client.close_on_exit(session)
+        return trace
     try:
         reply = await _step(client, session, 0, list(req.prompt), out, busy)
         pos = len(req.prompt)
@@ -82,6 +108,16 @@ async def generate(
     finally:
         await client.close_on_exit(session)
     return trace
+
+
+async def _generate_on_node(client: GeneratingClient, req: Request, session: str, trace: Trace) -> None:
+    """Server-side `generate`, streamed: every token's arrival is recorded as it comes."""
+    pieces = client.generate_tokens(session, 0, list(req.prompt), req.max_new, ignore_eog=True)
+    async with aclosing(pieces):
+        async for piece in pieces:
+            if isinstance(piece, Generated) or not trace.tokens:
+                for token in piece.tokens:
+                    trace.add(token)
 
 
 async def _step(

@@ -88,7 +88,10 @@ tables show the mean. Nodes: `--max-sessions 8 --max-waiting 8 --kv-cells {plan[
 concurrency 16 eight sessions wait for room (their wait counts in TTFT). Single node and
 `llama-server` use 2 threads; each chain stage 1 thread (2 cores in all). `{NODE_FAST}`
 is the same node started with `--prefill-share 4` (prefill may add four decode steps' time
-to an iteration instead of one: more throughput, longer gaps between tokens)."""
+to an iteration instead of one: more throughput, longer gaps between tokens). The nodes
+generate on their own (server-side `generate`, streamed, as `neuron-tai generate` does);
+the chain's head runs the token loop and splits its sessions into 2 micro-batches so both
+stages compute at once. The proofs' teacher-forced runs step token by token."""
 
 
 def _cpu(r: dict[str, Any]) -> str:
@@ -346,8 +349,8 @@ def _limitations(r: dict[str, Any], tok: dict[str, dict[int, float]]) -> str:
     lines = ["## Limitations", "",
              "- One 2-core shared machine: run-to-run drift of about ±10% is usual here; every system "
              "ran in the same session, interleaved, but single-run differences below that are noise.",
-             "- The chain's two stages share the same 2 cores, one thread each, and alternate for a "
-             "session's step: it shows the protocol's cost and exactness, not a multi-machine speed-up.",
+             "- The chain's two stages share the same 2 cores, one thread each: it shows the protocol's "
+             "cost, the micro-batches' overlap and exactness on one machine, not a multi-machine speed-up.",
              "- The client process shares the cores with the servers, for every system alike.",
              "- The bare loop and `Llama` run inside the bench process; the nodes and llama-server "
              "are separate processes reached over loopback (ZeroMQ / HTTP).",
@@ -356,10 +359,9 @@ def _limitations(r: dict[str, Any], tok: dict[str, dict[int, float]]) -> str:
     itl = mean_by(r["runs"], "itl_p50_ms")
     node_itl, bare_itl = itl.get(NODE, {}).get(1), itl.get(BARE, {}).get(1)
     if node_itl and bare_itl:
-        lines.append(f"- The node is driven step by step, as a pipeline stage is: every token is a round trip "
-                     f"client -> node -> client between two processes, where llama-server and the in-process "
-                     f"loops generate on their own. At concurrency 1 the node's inter-token gap (p50) was "
-                     f"{node_itl:.1f} ms against {bare_itl:.1f} ms for the bare loop.")  # fmt: skip
+        lines.append(f"- At concurrency 1 the node's inter-token gap (p50) was {node_itl:.1f} ms against "
+                     f"{bare_itl:.1f} ms for the bare loop in the bench's own process (the node streams each "
+                     f"token over loopback to a client process).")  # fmt: skip
     if SERVER not in tok:
         lines.append(f"- llama-server was not measured: {r['llama_server']}.")
     return "\n".join(lines)

@@ -492,6 +492,11 @@ class Node:
                 break
             step = wire.Step(req.rid, req.session, pos, len(feed), "tokens", "token", "f32", tokens=feed)
             outcome = await self._run_step(peer, step)
+            if isinstance(outcome, StepError) and outcome.code is ErrorCode.BUSY and produced:
+                # A full queue mid-run is this node's own congestion: the run waits its turn
+                # (a one-token step always fits again) instead of failing the client's generation.
+                await trio.sleep(max(outcome.retry_after_ms or 0, 1) / 1000)
+                continue
             if isinstance(outcome, StepError):
                 if held and not self._stream(peer, req, produced, held):
                     return
