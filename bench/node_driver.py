@@ -7,7 +7,8 @@ ZeroMQ (`neuron_tai.client.Client`) or the engine in process (`bench.engine_swee
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from contextlib import aclosing
 from typing import Any, Protocol
 
 import numpy as np
@@ -16,7 +17,7 @@ import trio
 
 from bench.latency import Trace
 from bench.workload import Request
-from neuron_tai.client import NodeError, StepReply
+from neuron_tai.client import Client, Generated, NodeError, StepReply
 
 
 class SessionClient(Protocol):
@@ -97,6 +98,45 @@ async def _step(
             await trio.sleep(max(exc.retry_after_ms or 0, 1) / 1000)
 
 
+async def generate_served(client: Client, req: Request, session: str) -> Trace:
+    """One request in its own session, the token loop run by the node (server-side `generate`):
+    `max_new` tokens, end-of-text ignored, each token timed as it arrives."""
+    trace = Trace(req.rid)
+    try:
+        await client.open(session, req.max_tokens, wait_ms=WAIT_MS)
+    except NodeError as exc:
+        raise OpenRefused(exc.code, str(exc)) from exc
+    try:
+        replies = client.generate_tokens(session, 0, list(req.prompt), req.max_new, ignore_eog=True)
+        async with aclosing(replies):
+            async for reply in replies:
+                if isinstance(reply, Generated):
+                    for token in reply.tokens:
+                        trace.add(token)
+    finally:
+        await client.close_on_exit(session)
+    return trace
+
+
+async def _pool(
+    requests: Sequence[Request], concurrency: int, one: Callable[[Request], Awaitable[Trace]]
+) -> tuple[list[Trace], float]:
+    """`concurrency` workers each take the next request as soon as their last one is done."""
+    pending = iter(requests)
+    traces: dict[int, Trace] = {}
+
+    async def worker() -> None:
+        for req in pending:
+            traces[req.rid] = await one(req)
+
+    start = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        for _ in range(concurrency):
+            nursery.start_soon(worker)
+    wall = time.perf_counter() - start
+    return [traces[r.rid] for r in requests], wall
+
+
 async def closed_loop(
     client: SessionClient,
     requests: Sequence[Request],
@@ -106,22 +146,21 @@ async def closed_loop(
     forced: Mapping[int, Sequence[int]] | None = None,
     on_logits: LogitsSink | None = None,
 ) -> tuple[list[Trace], float]:
-    """`concurrency` workers each take the next request as soon as their last one is done.
+    """Closed loop at `concurrency`, one `step` per token. Returns the traces in request order and the wall time."""
 
-    Returns the traces in request order and the run's wall time.
-    """
-    pending = iter(requests)
-    traces: dict[int, Trace] = {}
+    async def one(req: Request) -> Trace:
+        teacher = forced.get(req.rid) if forced else None
+        return await generate(client, req, f"{tag}-{req.rid}", forced=teacher, on_logits=on_logits)
 
-    async def worker() -> None:
-        for req in pending:
-            traces[req.rid] = await generate(
-                client, req, f"{tag}-{req.rid}", forced=forced.get(req.rid) if forced else None, on_logits=on_logits
-            )
+    return await _pool(requests, concurrency, one)
 
-    start = time.perf_counter()
-    async with trio.open_nursery() as nursery:
-        for _ in range(concurrency):
-            nursery.start_soon(worker)
-    wall = time.perf_counter() - start
-    return [traces[r.rid] for r in requests], wall
+
+async def served_closed_loop(
+    client: Client, requests: Sequence[Request], concurrency: int, tag: str
+) -> tuple[list[Trace], float]:
+    """Closed loop at `concurrency`, server-side generation. Returns the traces in request order and the wall time."""
+
+    async def one(req: Request) -> Trace:
+        return await generate_served(client, req, f"{tag}-{req.rid}")
+
+    return await _pool(requests, concurrency, one)
