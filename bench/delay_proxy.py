@@ -14,6 +14,7 @@ Prints `ready HOST:PORT` once it accepts connections.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import signal
 import sys
 
@@ -86,10 +87,8 @@ def main() -> int:
     if args.delay_ms < 0:
         parser.error("--delay-ms must be 0 or more")
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stopped by the bench: a clean exit
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         trio.run(serve, args.listen, args.to, args.delay_ms / 1e3)
-    except KeyboardInterrupt:
-        pass
     return 0
 
 

@@ -226,6 +226,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True, help="where to write the JSON result")
     parser.add_argument("--delays", help="one-way delays in ms, comma-separated (default 0,2,5)")
     parser.add_argument("--concurrency", help="scale-out concurrencies, comma-separated (default 1,2,4,8,16)")
+    parser.add_argument("--loopback", action="store_true", help="all hosts on loopback, as without privilege")
     parser.add_argument("--tag", default=f"{os.getpid() % 65536:04x}",
                         help="names the namespaces nt-TAG-HOST and links ntTAG-l*: at most 4 characters")  # fmt: skip
     args = parser.parse_args()
@@ -239,7 +240,7 @@ def main() -> int:
     work = WORK / "multihost"
     work.mkdir(parents=True, exist_ok=True)
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    with open_topology(HOSTS, LINKS, args.tag) as topo, open_processes(work / "logs") as procs:
+    with open_topology(HOSTS, LINKS, args.tag, loopback=args.loopback) as topo, open_processes(work / "logs") as procs:
         topology = {"isolated": topo.isolated, "note": topo.note, "namespaces": topo.namespaces if topo.isolated
                     else [], "veths": topo.veths if topo.isolated else []}  # fmt: skip
         result = measure(plan, topo, procs, work)

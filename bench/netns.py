@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from bench.processes import free_ports
 
-SUBNET = ipaddress.ip_network("10.77.0.0/24")  # carved into one /30 per link
+SUBNET = ipaddress.IPv4Network("10.77.0.0/24")  # carved into one /30 per link
 FIRST_PORT = 20000
 
 
@@ -130,14 +130,16 @@ def _teardown(undo: list[list[str]]) -> list[str]:
 
 
 @contextlib.contextmanager
-def open_topology(hosts: Sequence[str], links: Sequence[tuple[str, str]], tag: str) -> Iterator[Topology]:
+def open_topology(
+    hosts: Sequence[str], links: Sequence[tuple[str, str]], tag: str, *, loopback: bool = False
+) -> Iterator[Topology]:
     """The hosts as namespaces joined by `links`, removed on leaving; on loopback where that cannot be done.
 
     Stop every process started in a namespace before leaving: a namespace with a process
     still in it outlives `ip netns del`, and so do its links.
     """
     topo = Topology(tuple(hosts), tuple(links), tag, isolated=True, note="")
-    why = namespaces_unavailable()
+    why = "loopback asked for" if loopback else namespaces_unavailable()
     undo: list[list[str]] = []
     if why is None:
         try:
@@ -152,8 +154,8 @@ def open_topology(hosts: Sequence[str], links: Sequence[tuple[str, str]], tag: s
         topo.note = f"network namespaces unavailable ({why}): the same hosts on loopback"
         print(f"multihost: {topo.note}", file=sys.stderr, flush=True)
     else:
-        topo.note = (f"network namespaces {', '.join(topo.namespaces)}; veth links "
-                     + ", ".join(f"{a} {topo.address(a, b)} <-> {b} {topo.address(b, a)}" for a, b in links))  # fmt: skip
+        pairs = ", ".join(f"{a} {topo.address(a, b)} <-> {b} {topo.address(b, a)}" for a, b in links)
+        topo.note = f"network namespaces {', '.join(topo.namespaces)}; veth links {pairs}"
     try:
         yield topo
     finally:
