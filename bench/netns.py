@@ -46,6 +46,7 @@ class Topology:
     note: str
     addresses: dict[tuple[str, str], str] = field(default_factory=dict)  # (host, peer) -> host's address on the link
     _next_port: int = FIRST_PORT
+    _given: set[int] = field(default_factory=set)
 
     def namespace(self, host: str) -> str:
         return f"nt-{self.tag}-{host}"
@@ -68,7 +69,9 @@ class Topology:
     def port(self) -> int:
         """A port no process of this topology uses yet (any port is free in a fresh namespace)."""
         if not self.isolated:
-            return free_ports(1)[0]
+            port = next(p for p in iter(lambda: free_ports(1)[0], None) if p not in self._given)
+            self._given.add(port)
+            return port
         self._next_port += 1
         return self._next_port
 
