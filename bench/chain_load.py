@@ -1,0 +1,80 @@
+"""The multi-host bench's client: runs on the client host and prints one JSON object.
+
+    python -m bench.chain_load run ADDR --concurrency 1,2,4 --requests 16 --max-new 32 --max-prompt 256
+    python -m bench.chain_load ping ADDR --count 50
+
+`run` builds the report's workload (bench/workload.py) with the node's own tokenizer and
+drives it at each concurrency in a closed loop, the node running the token loop
+(server-side `generate`): tok/s, TTFT and inter-token percentiles, and every request's
+tokens. `ping` times protocol pings, the round trip of a link and the node's answer.
+It is a process of its own so it can run inside the client host's network namespace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+import trio
+
+from bench.latency import summarize
+from bench.node_driver import closed_loop
+from bench.workload import CORPUS, make_requests
+from neuron_tai.client import open_client
+
+
+async def run(address: str, concurrencies: list[int], n: int, max_new: int, max_prompt: int, seed: int,
+              tag: str) -> dict[str, Any]:  # fmt: skip
+    async with open_client(address, timeout_s=300) as client:
+        corpus = await client.tokenize(CORPUS, add_special=False)
+        start = await client.tokenize("", add_special=True)
+        requests = make_requests(corpus, n, max_new, seed=seed, max_prompt=max_prompt,
+                                 bos=start[0] if start else None)  # fmt: skip
+        await closed_loop(client, requests[:1], 1, f"{tag}-warm")  # connections and caches warm, unmeasured
+        runs = []
+        for c in concurrencies:
+            traces, wall = await closed_loop(client, requests, c, f"{tag}-c{c}")
+            runs.append({"concurrency": c, **summarize(traces, wall), "tokens": {t.rid: t.tokens for t in traces}})
+    return {"address": address, "prompt_tokens": [len(r.prompt) for r in requests], "runs": runs}
+
+
+async def ping(address: str, count: int) -> dict[str, Any]:
+    async with open_client(address, timeout_s=30) as client:
+        await client.ping()  # connected
+        rtts = []
+        for _ in range(count):
+            start = time.perf_counter()
+            await client.ping()
+            rtts.append((time.perf_counter() - start) * 1e3)
+    return {"address": address, "rtt_ms": [round(x, 3) for x in rtts]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("address")
+    r.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8, 16])
+    r.add_argument("--requests", type=int, default=16)
+    r.add_argument("--max-new", type=int, default=32)
+    r.add_argument("--max-prompt", type=int, default=256)
+    r.add_argument("--seed", type=int, default=12)
+    r.add_argument("--tag", default="load")
+    p = sub.add_parser("ping")
+    p.add_argument("address")
+    p.add_argument("--count", type=int, default=50)
+    args = parser.parse_args()
+    if args.cmd == "run":
+        out = trio.run(run, args.address, args.concurrency, args.requests, args.max_new, args.max_prompt, args.seed,
+                       args.tag)  # fmt: skip
+    else:
+        out = trio.run(ping, args.address, args.count)
+    print(json.dumps(out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,272 @@
+"""A chain's stages on separate hosts, on one machine: what scale-out gains and what link latency costs.
+
+Three hosts, each a Linux network namespace (bench/netns.py): `client` (the bench's load
+client), `s0` (the head of a 2-stage chain, and the single node it is compared with) and
+`s1` (the tail), joined by veth links client<->s0 and s0<->s1, so every hop is real TCP
+between separate network stacks. Each stage is pinned to a core of its own and runs one
+llama.cpp thread. A delay proxy (bench/delay_proxy.py) on each link adds one-way latency.
+Without the privilege to make namespaces the same hosts run on loopback, and the output
+says so.
+
+- Scale-out: the chain against one node on one core with one thread, at each concurrency
+  of the report's workload (bench/workload.py), the node running the token loop
+  (server-side `generate`); efficiency = chain tok/s / (2 x single-node tok/s).
+- Latency tolerance: the same chain with each one-way delay on both links (client<->head
+  and head<->tail), at concurrency 8: tok/s, inter-token p50/p99. Each delay is checked by
+  pinging through the proxy and past it on both links (added round trip: 2 x delay).
+
+    python -m bench.multihost --out multihost.json
+    python -m bench.multihost --quick --delays 2 --out .bench/multihost-quick.json
+
+Everything it creates (namespaces, links, processes) is removed on the way out, also on
+Ctrl-C or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("GOMP_SPINCOUNT", "20000")  # what `neuron-tai serve` uses
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from bench.common import WORK, command_line, gemma_path, shown, table
+from bench.interrupts import interrupt_on_signals
+from bench.netns import Topology, open_topology
+from bench.processes import Processes, node_ready, open_processes
+from engine.gguf_facts import read_facts
+from neuron_tai.shard import write_stages
+from neuron_tai.testmodel import write_tiny_model
+
+HOSTS = ("client", "s0", "s1")
+LINKS = (("client", "s0"), ("s0", "s1"))
+HEAD_CORE, TAIL_CORE = 0, 1  # the single node runs on the head's core, measured while the chain idles
+MAX_SESSIONS = 8
+SCALE_COLUMNS = ["concurrency", "single_tok_s", "chain_tok_s", "efficiency"]
+LATENCY_COLUMNS = ["delay_ms", "tok_s", "itl_p50_ms", "itl_p99_ms", "ttft_p50_ms", "rtt_added_expected_ms",
+                   "rtt_added_client_head_ms", "rtt_added_head_tail_ms"]  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What one run measures."""
+
+    mode: str
+    requests: int
+    max_new: int
+    max_prompt: int
+    concurrencies: tuple[int, ...]
+    delays_ms: tuple[float, ...]
+    latency_concurrency: int
+    kv_cells: int
+    pings: int
+    serve_flags: tuple[str, ...]  # beyond sessions, KV and threads
+    seed: int = 12
+
+
+FULL = Plan(mode="full", requests=16, max_new=32, max_prompt=256, concurrencies=(1, 2, 4, 8, 16),
+            delays_ms=(0, 2, 5), latency_concurrency=8, kv_cells=4096, pings=50, serve_flags=())  # fmt: skip
+# The tiny F32 model with an f32 cache and flash attention off: greedy tokens equal across batch shapes.
+QUICK = Plan(mode="quick", requests=8, max_new=8, max_prompt=64, concurrencies=(1, 2, 4, 8, 16), delays_ms=(0, 2, 5),
+             latency_concurrency=8, kv_cells=2048, pings=10,
+             serve_flags=("--kv-type", "f32", "--flash-attn", "off"))  # fmt: skip
+
+
+def models(plan: Plan, work: Path) -> tuple[Path, list[Path]]:
+    """The model and its two halves (head, tail)."""
+    if plan.mode == "quick":
+        model = work / "tiny-llama.gguf"
+        if not model.exists():
+            write_tiny_model(model)
+    else:
+        model = gemma_path()
+    n = read_facts(model).block_count
+    half = round(n / 2)
+    return model, write_stages(model, work / "shards", [(0, half), (half, n)])
+
+
+class Cluster:
+    """Starts the bench's processes on the topology's hosts; `procs` stops them all."""
+
+    def __init__(self, topo: Topology, procs: Processes, plan: Plan) -> None:
+        self.topo = topo
+        self.procs = procs
+        self.plan = plan
+
+    def _start(self, name: str, host: str, cmd: list[str], core: int | None) -> None:
+        if not self.procs.start(name, self.topo.command(host, cmd, core), node_ready):
+            crash = self.procs.crashed[name]
+            raise RuntimeError(f"{name} {crash.reason}:\n" + "\n".join(crash.log_tail))
+
+    def node(self, name: str, host: str, peer: str, model: Path, core: int, extra: list[str]) -> str:
+        """A node on `host`, pinned to `core`, one thread, bound to `host`'s address towards `peer`."""
+        address = f"tcp://{self.topo.address(host, peer)}:{self.topo.port()}"
+        limits = ["--max-sessions", str(MAX_SESSIONS), "--max-waiting", str(MAX_SESSIONS), "--kv-cells",
+                  str(self.plan.kv_cells)]  # fmt: skip
+        cmd = [sys.executable, "-m", "neuron_tai.cli", "serve", str(model), "--bind", address, "--threads", "1",
+               *limits, *self.plan.serve_flags, "--log-level", "warning", *extra]  # fmt: skip
+        self._start(name, host, cmd, core)
+        return address
+
+    def proxy(self, name: str, host: str, target: str, delay_ms: float) -> str:
+        """A delay proxy on `host` in front of the node at `target` (a tcp:// address on `host`)."""
+        ip, port = target.removeprefix("tcp://").rsplit(":", 1)
+        listen = f"{ip}:{self.topo.port()}"
+        cmd = [sys.executable, "-m", "bench.delay_proxy", "--listen", listen, "--to", f"{ip}:{port}", "--delay-ms",
+               str(delay_ms)]  # fmt: skip
+        self._start(name, host, cmd, None)
+        return f"tcp://{listen}"
+
+    def client(self, host: str, args: list[str]) -> dict[str, Any]:
+        """Run the load client (bench/chain_load.py) on `host`; its JSON output."""
+        cmd = self.topo.command(host, [sys.executable, "-m", "bench.chain_load", *args])
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=3600)
+        self.procs.check(f"chain_load {' '.join(args[:2])}")
+        if proc.returncode != 0:
+            raise RuntimeError(f"chain_load {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+    def load(self, address: str, concurrencies: tuple[int, ...], tag: str) -> list[dict[str, Any]]:
+        plan = self.plan
+        runs = self.client("client", ["run", address, "--concurrency", ",".join(map(str, concurrencies)),
+                                      "--requests", str(plan.requests), "--max-new", str(plan.max_new),
+                                      "--max-prompt", str(plan.max_prompt), "--seed", str(plan.seed),
+                                      "--tag", tag])["runs"]  # fmt: skip
+        return runs  # type: ignore[no-any-return]
+
+    def rtt_ms(self, host: str, address: str) -> float:
+        """Median round trip of a protocol ping from `host` to `address`."""
+        return float(statistics.median(self.client(host, ["ping", address, "--count", str(self.plan.pings)])["rtt_ms"]))
+
+
+def scale_out(cluster: Cluster, single: str, chain: str) -> dict[str, Any]:
+    """The chain (two cores) against the single node (one core), each concurrency alternating between them."""
+    rows, raw = [], []
+    for c in cluster.plan.concurrencies:
+        one = cluster.load(single, (c,), f"single-c{c}")[0]
+        two = cluster.load(chain, (c,), f"chain-c{c}")[0]
+        raw += [{"system": "single", **one}, {"system": "chain2", **two}]
+        efficiency = two["tok_s"] / (2 * one["tok_s"]) if one["tok_s"] else None
+        rows.append({"concurrency": c, "single_tok_s": one["tok_s"], "chain_tok_s": two["tok_s"],
+                     "efficiency": round(efficiency, 3) if efficiency is not None else None})  # fmt: skip
+        print("scale-out " + ", ".join(f"{k} {v}" for k, v in rows[-1].items()), flush=True)
+    return {"rows": rows, "runs": raw}
+
+
+@dataclass(frozen=True, slots=True)
+class DelayedChain:
+    """A chain whose two links go through delay proxies of `delay_ms`, and its nodes' own addresses."""
+
+    delay_ms: float
+    entry: str  # the client's way in: the proxy in front of the head
+    head: str
+    tail_proxy: str  # the head's --next
+    tail: str
+
+
+def start_delayed_chain(cluster: Cluster, head_model: Path, tail: str, delay_ms: float) -> DelayedChain:
+    name = f"{delay_ms:g}ms"
+    tail_proxy = cluster.proxy(f"proxy-s0-s1-{name}", "s1", tail, delay_ms)
+    head = cluster.node(f"head-{name}", "s0", "client", head_model, HEAD_CORE, ["--next", tail_proxy])
+    entry = cluster.proxy(f"proxy-client-s0-{name}", "s0", head, delay_ms)
+    return DelayedChain(delay_ms, entry, head, tail_proxy, tail)
+
+
+def latency_tolerance(cluster: Cluster, chains: list[DelayedChain]) -> dict[str, Any]:
+    """Each delayed chain at the latency concurrency, and the round trip each proxy adds, measured."""
+    rows, raw = [], []
+    c = cluster.plan.latency_concurrency
+    for chain in chains:
+        client_head = cluster.rtt_ms("client", chain.entry) - cluster.rtt_ms("client", chain.head)
+        head_tail = cluster.rtt_ms("s0", chain.tail_proxy) - cluster.rtt_ms("s0", chain.tail)
+        run = cluster.load(chain.entry, (c,), f"delay-{chain.delay_ms:g}ms")[0]
+        raw.append({"delay_ms": chain.delay_ms, **run})
+        rows.append({"delay_ms": chain.delay_ms, "tok_s": run["tok_s"], "itl_p50_ms": run["itl_p50_ms"],
+                     "itl_p99_ms": run["itl_p99_ms"], "ttft_p50_ms": run["ttft_p50_ms"],
+                     "rtt_added_expected_ms": 2 * chain.delay_ms,
+                     "rtt_added_client_head_ms": round(client_head, 3),
+                     "rtt_added_head_tail_ms": round(head_tail, 3)})  # fmt: skip
+        print("latency " + ", ".join(f"{k} {v}" for k, v in rows[-1].items()), flush=True)
+    return {"concurrency": c, "rows": rows, "runs": raw}
+
+
+def mismatches(reference: dict[str, list[int]], runs: list[dict[str, Any]]) -> int:
+    """Requests whose tokens differ from the reference (the single node alone, greedy)."""
+    return sum(run["tokens"][rid] != tokens for run in runs for rid, tokens in reference.items())
+
+
+def measure(plan: Plan, topo: Topology, procs: Processes, work: Path) -> dict[str, Any]:
+    model, (head_model, tail_model) = models(plan, work)
+    cluster = Cluster(topo, procs, plan)
+    single = cluster.node("single", "s0", "client", model, HEAD_CORE, [])
+    tail = cluster.node("tail", "s1", "s0", tail_model, TAIL_CORE, [])
+    head = cluster.node("head", "s0", "client", head_model, HEAD_CORE, ["--next", tail])
+    chains = [start_delayed_chain(cluster, head_model, tail, d) for d in plan.delays_ms]
+    print(f"multihost: single {single}; chain {head} -> {tail}", flush=True)
+    scaled = scale_out(cluster, single, head)
+    latency = latency_tolerance(cluster, chains)
+    solo = next(r for r in scaled["runs"] if r["system"] == "single" and r["concurrency"] == 1)["tokens"]
+    chain_runs = [r for r in scaled["runs"] if r["system"] == "chain2"] + latency["runs"]
+    return {"model": model.name, "shards": [head_model.name, tail_model.name], "single_solo_tokens": solo,
+            "scale_out": scaled, "latency": latency, "chain_token_mismatches": mismatches(solo, chain_runs),
+            "delayed_chains": [asdict(c) for c in chains]}  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="the tiny test model, few requests: checks it works")
+    parser.add_argument("--out", type=Path, required=True, help="where to write the JSON result")
+    parser.add_argument("--delays", help="one-way delays in ms, comma-separated (default 0,2,5)")
+    parser.add_argument("--concurrency", help="scale-out concurrencies, comma-separated (default 1,2,4,8,16)")
+    parser.add_argument("--loopback", action="store_true", help="all hosts on loopback, as without privilege")
+    parser.add_argument("--tag", default=f"{os.getpid() % 65536:04x}",
+                        help="names the namespaces nt-TAG-HOST and links ntTAG-l*: at most 4 characters")  # fmt: skip
+    args = parser.parse_args()
+    if not 1 <= len(args.tag) <= 4 or not args.tag.isalnum():
+        parser.error("--tag: 1 to 4 letters or digits")
+    plan = QUICK if args.quick else FULL
+    if args.delays:
+        plan = replace(plan, delays_ms=tuple(float(x) for x in args.delays.split(",")))
+    if args.concurrency:
+        plan = replace(plan, concurrencies=tuple(int(x) for x in args.concurrency.split(",")))
+    work = WORK / "multihost"
+    work.mkdir(parents=True, exist_ok=True)
+    started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    with open_topology(HOSTS, LINKS, args.tag, loopback=args.loopback) as topo, open_processes(work / "logs") as procs:
+        topology = {"isolated": topo.isolated, "note": topo.note, "namespaces": topo.namespaces if topo.isolated
+                    else [], "veths": topo.veths if topo.isolated else []}  # fmt: skip
+        result = measure(plan, topo, procs, work)
+        stopped = {name: procs.stop(name) for name in list(procs.running)}
+    report = {"command": command_line(), "started": started, "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+              "plan": asdict(plan), "topology": topology, "cores": {"head": HEAD_CORE, "tail": TAIL_CORE,
+              "single": HEAD_CORE}, **result,
+              "processes": [{"name": n, "pid": pid, "exit_status": rc} for n, (pid, rc) in procs.ended.items()],
+              "crashes": [asdict(c) for c in procs.crashed.values()]}  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"\n{topo.note}\n")
+    print(table(result["scale_out"]["rows"], SCALE_COLUMNS))
+    print()
+    print(table(result["latency"]["rows"], LATENCY_COLUMNS))
+    print(f"\nchain tokens differing from the single node's: {result['chain_token_mismatches']} requests")
+    print(f"wrote {shown(args.out)}")
+    return 0 if not report["crashes"] and all(rc == 0 for rc in stopped.values() if rc is not None) else 1
+
+
+if __name__ == "__main__":
+    interrupt_on_signals()
+    status = 1
+    try:
+        status = main()
+    except* KeyboardInterrupt:
+        print("interrupted: every namespace, link and process the bench made was removed", file=sys.stderr)
+        status = 130
+    sys.exit(status)

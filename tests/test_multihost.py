@@ -1,0 +1,111 @@
+"""`python -m bench.multihost --quick`: a chain across network namespaces, and nothing of it left afterwards."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = [sys.executable, "-m", "bench.multihost", "--quick"]
+
+needs_namespaces = pytest.mark.skipif(
+    shutil.which("ip") is None or os.geteuid() != 0,
+    reason="needs root and the `ip` command (iproute2) to create network namespaces and veth links",
+)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def leftovers(tag: str) -> list[str]:
+    """Namespaces and links named for this tag that still exist."""
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True).stdout
+    return [line for line in namespaces.splitlines() if line.startswith(f"nt-{tag}-")] + [
+        line for line in links.splitlines() if f"nt{tag}-" in line
+    ]
+
+
+@needs_namespaces
+def test_quick_chain_across_namespaces_matches_single_node_and_leaves_nothing(tmp_path: Path) -> None:
+    tag = f"t{os.getpid() % 4096:03x}"
+    out = tmp_path / "multihost.json"
+    cmd = [*BENCH, "--delays", "2", "--concurrency", "1,8", "--tag", tag, "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+
+    assert report["topology"]["isolated"] is True
+    assert report["topology"]["namespaces"] == [f"nt-{tag}-client", f"nt-{tag}-s0", f"nt-{tag}-s1"]
+    plan = report["plan"]
+    solo = report["single_solo_tokens"]
+    assert len(solo) == plan["requests"]
+    assert all(len(tokens) == plan["max_new"] for tokens in solo.values())
+    assert len({tuple(tokens) for tokens in solo.values()}) > 1  # distinct prompts, distinct continuations
+
+    [delayed] = report["latency"]["runs"]
+    assert delayed["delay_ms"] == 2 and delayed["concurrency"] == 8
+    assert delayed["tokens"] == solo  # through both delayed links, 8 at once: the single node's greedy tokens
+    chain_runs = [r for r in report["scale_out"]["runs"] if r["system"] == "chain2"]
+    assert [r["concurrency"] for r in chain_runs] == [1, 8]
+    assert all(r["tokens"] == solo for r in chain_runs)
+    assert report["chain_token_mismatches"] == 0
+    assert [r["concurrency"] for r in report["scale_out"]["rows"]] == [1, 8]
+
+    names = {p["name"] for p in report["processes"]}
+    assert names >= {"single", "head", "tail", "head-2ms", "proxy-client-s0-2ms", "proxy-s0-s1-2ms"}
+    assert all(p["exit_status"] == 0 for p in report["processes"])
+    assert not [p for p in report["processes"] if alive(p["pid"])]
+    assert leftovers(tag) == []
+
+
+@needs_namespaces
+def test_sigterm_mid_run_removes_namespaces_links_and_processes(tmp_path: Path) -> None:
+    tag = f"u{os.getpid() % 4096:03x}"
+    cmd = [*BENCH, "--delays", "2", "--concurrency", "1", "--tag", tag, "--out", str(tmp_path / "m.json")]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    seen = []
+    for line in proc.stdout:  # the first measurement has begun: every process and link exists
+        seen.append(line)
+        if line.startswith("multihost: single "):
+            break
+    assert leftovers(tag), "".join(seen)
+    pids = [int(m.group(1)) for line in seen if (m := re.match(r"\S+: pid (\d+), log", line))]
+    assert len(pids) >= 6, "".join(seen)
+    proc.send_signal(signal.SIGTERM)
+    rest, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, "".join(seen) + rest
+    assert "interrupted" in rest
+    assert not [pid for pid in pids if alive(pid)]
+    assert leftovers(tag) == []
+
+
+def test_loopback_fallback_runs_the_same_chain(tmp_path: Path) -> None:
+    """Without namespaces (as without privilege) the same hosts, proxies and checks run on loopback."""
+    out = tmp_path / "loopback.json"
+    cmd = [*BENCH, "--loopback", "--delays", "2", "--concurrency", "1", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "on loopback" in proc.stderr
+    report = json.loads(out.read_text())
+    assert report["topology"] == {"isolated": False, "note": report["topology"]["note"], "namespaces": [], "veths": []}
+    assert all(
+        tcp.startswith("tcp://127.0.0.1:") for tcp in report["delayed_chains"][0].values() if isinstance(tcp, str)
+    )
+    assert report["latency"]["runs"][0]["tokens"] == report["single_solo_tokens"]
+    assert report["chain_token_mismatches"] == 0
+    assert not [p for p in report["processes"] if alive(p["pid"])]
