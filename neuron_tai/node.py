@@ -74,6 +74,9 @@ class NodeConfig:
     # and per connection. Beyond either, a request is answered `busy` at once.
     max_handlers: int = 1024
     max_handlers_per_peer: int = 256
+    # A connection heard from (any request) less recently than this, with no request of its
+    # in progress, has its sessions freed (PROTOCOL.md, "Leases"); `lease_ms` in stats.
+    lease_s: float = 15.0
     extra_stats: dict[str, Any] = field(default_factory=dict)
 
 
@@ -109,6 +112,7 @@ class Node:
         if config.curve is not None:
             make_curve_server(sock, config.curve.secret)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a peer reconnecting under its identity takes it over
         sock.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes)
         sock.setsockopt(zmq.SNDHWM, config.hwm)
         sock.setsockopt(zmq.RCVHWM, config.hwm)
@@ -135,6 +139,12 @@ class Node:
         self.handlers_idle.set()
         self.generations: dict[tuple[bytes, str], Generation] = {}  # running generates, by session
         self.generated_tokens = 0
+        # Leases: when each connection was last heard from (trio time); the open request of
+        # each session forwarded to the next stage (to reopen it there, and to close it there).
+        self.last_heard: dict[bytes, float] = {}
+        self.leases_expired = 0
+        self.forwarded: dict[tuple[bytes, str], dict[str, Any]] = {}
+        engine.on_close = self._session_freed
         self._nursery: trio.Nursery | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -144,6 +154,7 @@ class Node:
             await nursery.start(self.pump.run)
             if self.next is not None:
                 await nursery.start(self.next.run)
+            nursery.start_soon(self._expire_leases)
             task_status.started()
 
     # -- replies -----------------------------------------------------------------------
@@ -200,12 +211,14 @@ class Node:
         stats["handlers_refused_total"] = self.handlers_refused
         stats["generations_active"] = len(self.generations)
         stats["generated_tokens_total"] = self.generated_tokens
+        stats["lease_ms"] = round(self.config.lease_s * 1000)
+        stats["leases_expired_total"] = self.leases_expired
         stats["curve"] = self.allow is not None
         stats["auth_failures_total"] = self.allow.failures if self.allow is not None else 0
         if self.allow is not None:
             stats["curve_allowed_keys"] = len(self.allow)
         if self.next is not None:
-            stats["downstream"] = {"failures_total": self.next.failures}
+            stats["downstream"] = self.next.stats()
             if self.allow is not None:  # only authenticated peers learn where the chain goes on
                 stats["downstream"]["address"] = self.next.address
         return {**stats, **self.config.extra_stats}
@@ -214,6 +227,7 @@ class Node:
 
     def _on_message(self, frames: list[bytes]) -> None:
         peer, body = frames[0], frames[1:]
+        self.last_heard[peer] = trio.current_time()  # any message renews the lease, even a broken one
         try:
             request = wire.decode_request(body, self.stage.n_embd)
         except wire.WireError as exc:
@@ -279,6 +293,7 @@ class Node:
         finally:
             if on_exit is not None:
                 on_exit()
+            self.last_heard[peer] = trio.current_time()  # the lease runs from the end of its requests' work
             self.handlers -= 1
             self.handlers_by_peer[peer] -= 1
             if not self.handlers_by_peer[peer]:
@@ -312,12 +327,16 @@ class Node:
                 else:
                     self._next_stage_error(peer, req.rid, reply[0])
                 return
+            if self.engine.max_tokens_of(peer, req.session) is None:  # freed meanwhile: free it there too
+                self.next.close_soon(header["session"])
+            else:
+                self.forwarded[(peer, req.session)] = {**header, "wait_ms": 0}
             theirs = reply[0].get("stage", {})
             stage.update(last=theirs.get("last", False), layers=[stage["layers"][0], theirs.get("layers", [0, 0])[1]])
             stage["max_step_tokens"] = min(stage["max_step_tokens"], theirs.get("max_step_tokens", 1 << 30))
             stage["eog_tokens"] = theirs.get("eog_tokens", stage["eog_tokens"])
         header = {"op": "opened", "rid": req.rid, "session": req.session, "kv_reserved": result.kv_reserved,
-                  "stage": stage}  # fmt: skip
+                  "stage": stage, "lease_ms": round(self.config.lease_s * 1000)}  # fmt: skip
         self._deliver(peer, req.session, wire.encode(header))
 
     def _start_step(self, peer: bytes, req: wire.Step) -> None:
@@ -499,7 +518,9 @@ class Node:
         if reply is None or reply[0].get("code") != ErrorCode.UNKNOWN_SESSION or req.pos != 0:
             return reply
         max_tokens = self.engine.max_tokens_of(peer, req.session) or req.pos + req.n
-        opened = await self.next.request({"op": "open", "session": fwd, "max_tokens": max_tokens})
+        # The session's own open (its sampling above all), as first forwarded.
+        reopen = self.forwarded.get((peer, req.session), {"op": "open", "session": fwd, "max_tokens": max_tokens})
+        opened = await self.next.request(reopen)
         if opened is None or not (opened[0].get("op") == "opened" or opened[0].get("code") == ErrorCode.SESSION_EXISTS):
             return None
         return await self.next.request(header, payload)
@@ -515,14 +536,39 @@ class Node:
             return
         assert isinstance(result, Closed)
         header = {"op": "closed", "rid": req.rid, "session": req.session, "existed": result.existed}
-        self._send(peer, wire.encode(header))
-        if self.next is not None and result.existed:
-            # Idempotent there too; a next stage that does not answer is counted and logged.
-            await self.next.request({"op": "close", "session": forwarded_session(peer, req.session)})
+        self._send(peer, wire.encode(header))  # the engine has closed it on the next stage too
+
+    def _session_freed(self, peer: bytes, session: str) -> None:
+        """The engine freed a session (closed, lease run out, peer gone, rollback failed, ...):
+        free it on the next stage too. Runs in the engine task: queues the close, never waits."""
+        forwarded = self.forwarded.pop((peer, session), None)
+        if forwarded is not None and self.next is not None:
+            self.next.close_soon(forwarded["session"])
+
+    async def _expire_leases(self) -> None:
+        """Free the sessions of every connection silent for longer than the lease."""
+        lease = self.config.lease_s
+        while True:
+            now = trio.current_time()
+            for peer, heard in list(self.last_heard.items()):
+                if now - heard <= lease or self.handlers_by_peer[peer]:
+                    continue
+                del self.last_heard[peer]
+                self.pump.forget(peer)
+                if self.engine.sessions_of(peer):
+                    self.leases_expired += 1
+                    log.info("peer %s was silent for over %.1fs: freeing its sessions", peer.hex(), lease)
+                    self._drop_peer(peer)
+            idle = [heard for peer, heard in self.last_heard.items() if not self.handlers_by_peer[peer]]
+            oldest = min(idle, default=now)  # a peer with work in progress is renewed when it ends
+            await trio.sleep_until(max(oldest + lease, now) + 0.01)
 
     def _peer_gone(self, peer: bytes) -> None:
         self.peers_gone += 1
         log.info("peer %s is gone: freeing its sessions", peer.hex())
+        self._drop_peer(peer)
+
+    def _drop_peer(self, peer: bytes) -> None:
         for key, run in self.generations.items():
             if key[0] == peer:
                 run.cancel.set()

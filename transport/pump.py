@@ -51,6 +51,16 @@ class SocketPump:
         self.sock.wake()
         return True
 
+    def drop_outbox(self) -> int:
+        """Forget every message not sent yet (the link is down: never send them late); how many."""
+        dropped = len(self._outbox)
+        self._outbox.clear()
+        return dropped
+
+    def forget(self, peer: bytes) -> None:
+        """Stop remembering that `peer` is gone (its lease ran out: nothing refers to it any more)."""
+        self.gone.discard(peer)
+
     def backlog(self, peer: bytes) -> int:
         """Messages held back for `peer` because its pipe is full (0 while it keeps up)."""
         queue = self._parked.get(peer)
@@ -70,10 +80,14 @@ class SocketPump:
                 frames = self.sock.try_recv()
                 if frames is None:
                     break
+                if self.routed:
+                    self.gone.discard(frames[0])  # it is back (a stable identity that reconnected)
                 self.on_message(frames)
                 received += 1
-            if received or self._outbox:
+            if received:
                 await trio.lowlevel.checkpoint()
+            elif self._outbox:  # unsent: the pipe is full, or (ZMQ_IMMEDIATE) no peer is connected
+                await self.sock.wait(for_send=True)
             elif self._parked:
                 with trio.move_on_after(RETRY_PARKED_S):
                     await self.sock.wait()
