@@ -314,7 +314,8 @@ class Node:
         assert isinstance(result, Opened)
         stage = self.stage_map()
         if self.next is not None:
-            header = {"op": "open", "session": forwarded_session(peer, req.session), "max_tokens": req.max_tokens,
+            fwd = forwarded_session(peer, req.session)
+            header = {"op": "open", "session": fwd, "max_tokens": req.max_tokens,
                       "wait_ms": req.wait_ms, "sampling": {"temperature": s.temperature, "top_k": s.top_k,
                       "top_p": s.top_p, "seed": s.seed}}  # fmt: skip
             reply = await self.next.request(header)
@@ -328,7 +329,7 @@ class Node:
                     self._next_stage_error(peer, req.rid, reply[0])
                 return
             if self.engine.max_tokens_of(peer, req.session) is None:  # freed meanwhile: free it there too
-                self.next.close_soon(header["session"])
+                self.next.close_soon(fwd)
             else:
                 self.forwarded[(peer, req.session)] = {**header, "wait_ms": 0}
             theirs = reply[0].get("stage", {})
