@@ -15,9 +15,10 @@ than after `timeout_s`:
   so a node started just before its next stage does not refuse its first requests),
   and the requests waiting for replies are given up at once;
 - ZMQ_IMMEDIATE: nothing is queued for a connection that is not up, and what was
-  queued in the pipe of a connection that went down is dropped with it. Together with
-  dropping the unsent outbox when the link goes down, no forwarded work is replayed
-  into a restarted stage after its timeout.
+  queued in the pipe of a connection that went down is dropped with it. The pump holds
+  its outbox while the link is down and drops it when the link goes down or comes up,
+  so no forwarded work is replayed into a restarted stage after its timeout. Closes of forwarded sessions
+  made while the link is down are remembered and sent once it is up.
 The DEALER has one routing id for the node's lifetime (ZMQ_ROUTING_ID, random), so the
 next stage sees a reconnect as the same connection: the sessions forwarded there stay
 this node's. A `LeaseKeeper` pings while this node holds forwarded sessions there.
@@ -83,9 +84,11 @@ class NextStage:
         self.connect_wait_s = connect_wait_s
         self.sock = TrioSocket(sock)
         self.core = Requester(self.sock, max_outbox=hwm)
+        self.core.pump.holding = True  # until the first handshake: nothing is sent before the link is up
         self.keeper = LeaseKeeper(self.core)
         self.connected = False
         self._up = trio.Event()
+        self._closes_pending: set[str] = set()
         self.failures = 0
         self.disconnects = 0
 
@@ -104,12 +107,18 @@ class NextStage:
             if event & _UP:
                 if not self.connected:
                     log.info("next stage %s connected", self.address)
+                    self.core.pump.drop_outbox()  # queued while down: too old to send now
+                    self.core.pump.hold(False)
+                    for session in self._closes_pending:
+                        self.core.send_nowait({"op": "close", "session": session})
+                    self._closes_pending.clear()
                 self.connected = True
                 self._up.set()
             elif event & _DOWN and self.connected:
                 self.connected = False
                 self._up = trio.Event()
                 self.disconnects += 1
+                self.core.pump.hold(True)
                 dropped = self.core.pump.drop_outbox()
                 self.core.fail_waiting()
                 log.warning("next stage %s disconnected (%d unsent dropped)", self.address, dropped)
@@ -140,7 +149,9 @@ class NextStage:
     def close_soon(self, session: str) -> None:
         """Close a forwarded session there without waiting for the answer (never blocks)."""
         self.keeper.closed(session)
-        if not self.core.send_nowait({"op": "close", "session": session}):
+        if not self.connected:  # sent once the link is up again (it is bounded by the sessions forwarded)
+            self._closes_pending.add(session)
+        elif not self.core.send_nowait({"op": "close", "session": session}):
             log.warning("next stage %s: the close of %s could not be queued", self.address, session)
 
     def stats(self) -> dict[str, Any]:

@@ -42,6 +42,9 @@ class SocketPump:
         self._outbox: deque[list[bytes]] = deque()
         self._parked: dict[bytes, deque[list[bytes]]] = {}
         self.gone: set[bytes] = set()
+        # While set, queued messages wait in the outbox instead of going out (a link that is
+        # not up: its owner drops them or lets them go once it is).
+        self.holding = False
 
     def send_nowait(self, frames: list[bytes]) -> bool:
         """Queue frames for sending; False when the outbox is full or the peer is known gone."""
@@ -56,6 +59,11 @@ class SocketPump:
         dropped = len(self._outbox)
         self._outbox.clear()
         return dropped
+
+    def hold(self, holding: bool) -> None:
+        """Keep queued messages back (True), or let them go (False)."""
+        self.holding = holding
+        self.sock.wake()
 
     def forget(self, peer: bytes) -> None:
         """Stop remembering that `peer` is gone (its lease ran out: nothing refers to it any more)."""
@@ -86,7 +94,7 @@ class SocketPump:
                 received += 1
             if received:
                 await trio.lowlevel.checkpoint()
-            elif self._outbox:  # unsent: the pipe is full, or (ZMQ_IMMEDIATE) no peer is connected
+            elif self._outbox and not self.holding:  # the pipe is full, or (ZMQ_IMMEDIATE) no peer is up
                 await self.sock.wait(for_send=True)
             elif self._parked:
                 with trio.move_on_after(RETRY_PARKED_S):
@@ -104,7 +112,7 @@ class SocketPump:
             raise
 
     def _flush(self) -> None:
-        while self._outbox:
+        while self._outbox and not self.holding:
             frames = self._outbox.popleft()
             peer = frames[0] if self.routed else b""
             if peer in self._parked:  # keep a slow peer's replies in order
