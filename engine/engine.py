@@ -19,7 +19,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -254,6 +254,9 @@ class Engine:
         # Answered, next step not here yet: kept until their group runs again (then they are late).
         self._coming_back: set[Any] = set()
         self._pace = PrefillPace()
+        # Called (owner, session) each time a session is freed, for whatever reason: a chained
+        # node closes it on its next stage too. Runs in the engine task: it must not block.
+        self.on_close: Callable[[Any, str], None] | None = None
 
     # -- the API other tasks use ----------------------------------------------------
 
@@ -323,6 +326,10 @@ class Engine:
         """An open session's `max_tokens`; None when there is no such session."""
         found = self.scheduler.sessions.get((owner, session))
         return None if found is None else found.max_tokens
+
+    def sessions_of(self, owner: Any) -> int:
+        """How many open sessions `owner` holds."""
+        return sum(1 for key in self.scheduler.sessions if key[0] == owner)
 
     def length_of(self, owner: Any, session: str) -> int | None:
         """An open session's length (positions its KV holds); None when there is no such session."""
@@ -552,6 +559,11 @@ class Engine:
         if session.step is not None:
             work: _Work = session.step.payload  # type: ignore[assignment]
             work.reply.answer(self._count(Failure(ErrorCode.UNKNOWN_SESSION, f"{why} before this step ran")))
+        if self.on_close is not None:
+            try:
+                self.on_close(key[0], key[1])
+            except Exception:  # a listener's bug must not stop the batch loop
+                log.exception("on_close failed for session %r", key[1])
         return True
 
     # -- running a call ----------------------------------------------------------------

@@ -114,6 +114,7 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
         next=args.next,
         max_message_bytes=args.max_message_bytes,
         downstream_timeout_s=args.downstream_timeout,
+        lease_s=args.lease,
         metrics_port=args.metrics_port,
         metrics_bind=args.metrics_bind,
         curve=server_curve(args),
@@ -299,7 +300,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="run sessions in this many groups, each sent on to the next stage while the next computes "
         "(default: 2 with --next, else 1 = off; a chain of N stages keeps all busy with N)",
     )
-    serve.add_argument("--idle-timeout", type=float, default=600.0, help="close sessions idle this long (s; 0 off)")
+    serve.add_argument(
+        "--lease",
+        type=float,
+        default=15.0,
+        help="free the sessions of a connection silent this long (s; clients ping every lease/3)",
+    )
+    serve.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=0.0,
+        help="also close a session with no step or open this long, even if its client is alive (s; 0 off)",
+    )
     serve.add_argument("--max-message-bytes", type=_bytes, default=64 * 2**20, help="ZMQ_MAXMSGSIZE")
     serve.add_argument("--downstream-timeout", type=float, default=30.0, help="seconds to wait for the next stage")
     serve.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on PORT (plain HTTP)")

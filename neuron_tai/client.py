@@ -9,7 +9,9 @@ tokens streamed back); `generate(..., server_side=False)` runs it here, one `ste
 token. Requests time out (`timeout_s`); steps and the read-only operations are retried on
 timeout, which is safe because a resent step rewinds to its `pos` (PROTOCOL.md).
 Once the client's socket task has stopped, every waiting or new request raises
-`ClientClosed` at once instead of waiting out its timeout.
+`ClientClosed` at once instead of waiting out its timeout. While the client holds open
+sessions it pings whenever it has sent nothing for a quarter of the node's lease
+(`lease_ms` in `opened`), so the node keeps them (transport.keepalive).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import zmq
 
 from neuron_tai.security import client_curve
 from protocol.errors import ErrorCode
+from transport.keepalive import LeaseKeeper
 from transport.requester import ClientClosed, OutboxFull, Requester
 from transport.trio_zmq import TrioSocket
 
@@ -78,12 +81,16 @@ def _ids(frame: bytes) -> list[int]:
 class Client:
     def __init__(self, sock: TrioSocket, timeout_s: float, retries: int) -> None:
         self.core = Requester(sock)
+        self.keeper = LeaseKeeper(self.core)  # pings while sessions are open, so the node keeps them
         self.timeout_s = timeout_s
         self.retries = retries
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Own the socket; when this stops, for whatever reason, the waiting requests fail."""
-        await self.core.run(task_status=task_status)
+        """Own the socket and keep the sessions' lease; when this stops, the waiting requests fail."""
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.core.run)
+            nursery.start_soon(self.keeper.run)
+            task_status.started()
 
     async def request(
         self, header: dict[str, Any], *payload: bytes, retry: bool = True
@@ -124,16 +131,19 @@ class Client:
         header: dict[str, Any] = {"op": "open", "session": session, "max_tokens": max_tokens, "wait_ms": wait_ms}
         if sampling:
             header["sampling"] = sampling
-        return (await self.request(header, retry=False))[0]
+        opened = (await self.request(header, retry=False))[0]
+        self.keeper.opened(session, opened.get("lease_ms"))
+        return opened
 
     async def close(self, session: str) -> bool:
+        self.keeper.closed(session)  # if the close is lost, the node's lease frees the session
         return bool((await self.request({"op": "close", "session": session}))[0]["existed"])
 
     async def close_on_exit(self, session: str) -> None:
         """Close `session` on the way out of its user, even one being cancelled.
 
         Shielded and bounded by `timeout_s`; nothing to do once the client itself is closed
-        (the node frees what it can no longer reach after its idle timeout).
+        (the node frees sessions nobody renews once its lease runs out).
         """
         with trio.CancelScope(shield=True), trio.move_on_after(self.timeout_s), suppress(ClientClosed):
             await self.close(session)

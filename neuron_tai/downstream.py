@@ -7,22 +7,54 @@ like any client. A request the next stage does not answer within `timeout_s`,
 or that cannot be sent, comes back as None and counts as a failure; so does a reply
 that is not what the request expects (wire.check_reply: an `error`, or the answer to
 that op with its keys and payload shape), which also counts in `malformed`.
+
+The link is watched, so a next stage that is down is noticed within seconds rather
+than after `timeout_s`:
+- ZeroMQ heartbeats (every 1 s; 3 s without an answer drops the connection) find a
+  peer that went silent without closing its TCP connection;
+- a socket monitor reports the connection up (handshake done) or down; while it is
+  down, requests are answered None at once (after a short wait for a first connection,
+  so a node started just before its next stage does not refuse its first requests),
+  and the requests waiting for replies are given up at once;
+- ZMQ_IMMEDIATE: nothing is queued for a connection that is not up, and what was
+  queued in the pipe of a connection that went down is dropped with it. The pump holds
+  its outbox while the link is down and drops it when the link goes down or comes up,
+  so no forwarded work is replayed into a restarted stage after its timeout. Closes of forwarded sessions
+  made while the link is down are remembered and sent once it is up.
+The DEALER has one routing id for the node's lifetime (ZMQ_ROUTING_ID, random), so the
+next stage sees a reconnect as the same connection: the sessions forwarded there stay
+this node's. A `LeaseKeeper` pings while this node holds forwarded sessions there.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import trio
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from neuron_tai.security import ClientCurve
+from transport.keepalive import LeaseKeeper
 from transport.requester import ClientClosed, OutboxFull, Reply, Requester
 from transport.trio_zmq import TrioSocket
 from transport.wire import NEXT_STAGE_REPLY_LIMITS, WireError, check_reply
 
 log = logging.getLogger("neuron_tai.downstream")
+
+HEARTBEAT_IVL_MS = 1000
+HEARTBEAT_TIMEOUT_MS = 3000
+CONNECT_WAIT_S = 2.0  # how long a request waits for the link to come up before it fails
+
+_UP = zmq.EVENT_HANDSHAKE_SUCCEEDED
+_DOWN = (
+    zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
 
 
 class NextStage:
@@ -36,31 +68,82 @@ class NextStage:
         n_vocab: int,
         *,
         curve: ClientCurve | None = None,
+        connect_wait_s: float = CONNECT_WAIT_S,
     ) -> None:
         sock = ctx.socket(zmq.DEALER)
         if curve is not None:  # the node's own key pair, and the next stage's public key
             curve.apply(sock)
+        self.routing_id = os.urandom(16)
+        sock.setsockopt(zmq.ROUTING_ID, self.routing_id)
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TIMEOUT_MS)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, hwm)
         sock.setsockopt(zmq.RCVHWM, hwm)
+        self.monitor = TrioSocket(sock.get_monitor_socket(_UP | _DOWN))
         sock.connect(address)
         self.address = address
         self.timeout_s = timeout_s
+        self.connect_wait_s = connect_wait_s
         self.sock = TrioSocket(sock)
         self.core = Requester(self.sock, max_outbox=hwm, limits=NEXT_STAGE_REPLY_LIMITS)
+        self.core.pump.holding = True  # until the first handshake: nothing is sent before the link is up
+        self.keeper = LeaseKeeper(self.core)
+        self.connected = False
+        self._up = trio.Event()
+        self._closes_pending: set[str] = set()
         self.failures = 0
         self.malformed = 0
+        self.disconnects = 0
         self.n_embd = n_embd  # the model's, the same on every stage: the shape replies must have
         self.n_vocab = n_vocab
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        await self.core.run(task_status=task_status)
+        """The socket's pump, the link watcher and the lease keeper."""
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.core.run)
+            nursery.start_soon(self._watch)
+            nursery.start_soon(self.keeper.run)
+            task_status.started()
+
+    async def _watch(self) -> None:
+        """Follow the connection's state from the socket monitor's events."""
+        while True:
+            event = parse_monitor_message(await self.monitor.recv())["event"]
+            if event & _UP:
+                if not self.connected:
+                    log.info("next stage %s connected", self.address)
+                    self.core.pump.drop_outbox()  # queued while down: too old to send now
+                    self.core.pump.hold(False)
+                    for session in self._closes_pending:
+                        self.core.send_nowait({"op": "close", "session": session})
+                    self._closes_pending.clear()
+                self.connected = True
+                self._up.set()
+            elif event & _DOWN and self.connected:
+                self.connected = False
+                self._up = trio.Event()
+                self.disconnects += 1
+                self.core.pump.hold(True)
+                dropped = self.core.pump.drop_outbox()
+                self.core.fail_waiting()
+                log.warning("next stage %s disconnected (%d unsent dropped)", self.address, dropped)
 
     async def request(self, header: dict[str, Any], payload: list[bytes] | None = None) -> Reply | None:
-        """The next stage's reply (`error` replies included); None when it failed or did not answer."""
+        """The next stage's reply (`error` replies included); None when it failed, did not answer,
+        or the link is down."""
+        if not self.connected:
+            with trio.move_on_after(min(self.connect_wait_s, self.timeout_s)):
+                await self._up.wait()
+            if not self.connected:
+                log.warning("next stage %s is not connected: %r not sent", self.address, header.get("op"))
+                self.failures += 1
+                return None
         try:
             reply = await self.core.request(header, payload or [], self.timeout_s)
-            return check_reply(header, *reply, self.n_embd, self.n_vocab)
+            reply = check_reply(header, *reply, self.n_embd, self.n_vocab)
         except WireError as exc:
             self.malformed += 1
             log.warning("next stage %s: %s", self.address, exc.message)
@@ -68,8 +151,30 @@ class NextStage:
             log.warning("next stage %s did not answer %r within %.1fs", self.address, header.get("op"), self.timeout_s)
         except (OutboxFull, ClientClosed) as exc:
             log.warning("next stage %s: %s", self.address, exc)
+        else:
+            if header.get("op") == "open" and reply[0].get("op") == "opened":
+                self.keeper.opened(str(header.get("session")), reply[0].get("lease_ms"))
+            return reply
         self.failures += 1
         return None
 
+    def close_soon(self, session: str) -> None:
+        """Close a forwarded session there without waiting for the answer (never blocks)."""
+        self.keeper.closed(session)
+        if not self.connected:  # sent once the link is up again (it is bounded by the sessions forwarded)
+            self._closes_pending.add(session)
+        elif not self.core.send_nowait({"op": "close", "session": session}):
+            log.warning("next stage %s: the close of %s could not be queued", self.address, session)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "failures_total": self.failures,
+            "connected": self.connected,
+            "disconnects_total": self.disconnects,
+            "sessions": len(self.keeper.sessions),
+            "pings_total": self.keeper.pings,
+        }
+
     def close(self) -> None:
+        self.monitor.close()
         self.sock.close()

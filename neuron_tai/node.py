@@ -84,6 +84,9 @@ class NodeConfig:
     # Text and token ids of tokenize/detokenize requests waiting for the tokenizer, at most
     # (one request is always taken); beyond it a request is answered `busy` at once.
     max_text_pending_bytes: int = 8 * 2**20
+    # A connection heard from (any request) less recently than this, with no request of its
+    # in progress, has its sessions freed (PROTOCOL.md, "Leases"); `lease_ms` in stats.
+    lease_s: float = 15.0
     extra_stats: dict[str, Any] = field(default_factory=dict)
 
 
@@ -119,6 +122,7 @@ class Node:
         if config.curve is not None:
             make_curve_server(sock, config.curve.secret)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a peer reconnecting under its identity takes it over
         sock.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes)
         sock.setsockopt(zmq.SNDHWM, config.hwm)
         sock.setsockopt(zmq.RCVHWM, config.hwm)
@@ -151,6 +155,12 @@ class Node:
         # llama.cpp (tokenize and detokenize are const), so they may overlap a decode.
         self.text_limiter = trio.CapacityLimiter(1)
         self.text_pending_bytes = 0
+        # Leases: when each connection was last heard from (trio time); the open request of
+        # each session forwarded to the next stage (to reopen it there, and to close it there).
+        self.last_heard: dict[bytes, float] = {}
+        self.leases_expired = 0
+        self.forwarded: dict[tuple[bytes, str], dict[str, Any]] = {}
+        engine.on_close = self._session_freed
         self._nursery: trio.Nursery | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -160,6 +170,7 @@ class Node:
             await nursery.start(self.pump.run)
             if self.next is not None:
                 await nursery.start(self.next.run)
+            nursery.start_soon(self._expire_leases)
             task_status.started()
 
     # -- replies -----------------------------------------------------------------------
@@ -221,12 +232,14 @@ class Node:
         stats["handlers_refused_total"] = self.handlers_refused
         stats["generations_active"] = len(self.generations)
         stats["generated_tokens_total"] = self.generated_tokens
+        stats["lease_ms"] = round(self.config.lease_s * 1000)
+        stats["leases_expired_total"] = self.leases_expired
         stats["curve"] = self.allow is not None
         stats["auth_failures_total"] = self.allow.failures if self.allow is not None else 0
         if self.allow is not None:
             stats["curve_allowed_keys"] = len(self.allow)
         if self.next is not None:
-            stats["downstream"] = {"failures_total": self.next.failures, "malformed_total": self.next.malformed,
+            stats["downstream"] = {**self.next.stats(), "malformed_total": self.next.malformed,
                                    "replies_dropped_total": self.next.core.dropped}  # fmt: skip
             if self.allow is not None:  # only authenticated peers learn where the chain goes on
                 stats["downstream"]["address"] = self.next.address
@@ -237,6 +250,7 @@ class Node:
     def _on_message(self, frames: list[bytes]) -> None:
         peer, body = frames[0], frames[1:]
         request: wire.Request | None = None
+        self.last_heard[peer] = trio.current_time()  # any message renews the lease, even a broken one
         try:
             request = wire.decode_request(body, self.stage.n_embd, self.limits, self.config.max_text_tokens)
             self._dispatch(peer, request)
@@ -295,6 +309,7 @@ class Node:
         finally:
             if on_exit is not None:
                 on_exit()
+            self.last_heard[peer] = trio.current_time()  # the lease runs from the end of its requests' work
             self.handlers -= 1
             self.handlers_by_peer[peer] -= 1
             if not self.handlers_by_peer[peer]:
@@ -353,7 +368,8 @@ class Node:
         assert isinstance(result, Opened)
         stage = self.stage_map()
         if self.next is not None:
-            header = {"op": "open", "session": forwarded_session(peer, req.session), "max_tokens": req.max_tokens,
+            fwd = forwarded_session(peer, req.session)
+            header = {"op": "open", "session": fwd, "max_tokens": req.max_tokens,
                       "wait_ms": req.wait_ms, "sampling": {"temperature": s.temperature, "top_k": s.top_k,
                       "top_p": s.top_p, "seed": s.seed}}  # fmt: skip
             reply = await self.next.request(header)
@@ -366,12 +382,16 @@ class Node:
                 else:
                     self._next_stage_error(peer, req.rid, reply[0])
                 return
+            if self.engine.max_tokens_of(peer, req.session) is None:  # freed meanwhile: free it there too
+                self.next.close_soon(fwd)
+            else:
+                self.forwarded[(peer, req.session)] = {**header, "wait_ms": 0}
             theirs = reply[0].get("stage", {})
             stage.update(last=theirs.get("last", False), layers=[stage["layers"][0], theirs.get("layers", [0, 0])[1]])
             stage["max_step_tokens"] = min(stage["max_step_tokens"], theirs.get("max_step_tokens", 1 << 30))
             stage["eog_tokens"] = theirs.get("eog_tokens", stage["eog_tokens"])
         header = {"op": "opened", "rid": req.rid, "session": req.session, "kv_reserved": result.kv_reserved,
-                  "stage": stage}  # fmt: skip
+                  "stage": stage, "lease_ms": round(self.config.lease_s * 1000)}  # fmt: skip
         self._deliver(peer, req.session, wire.encode(header))
 
     def _start_step(self, peer: bytes, req: wire.Step) -> None:
@@ -558,7 +578,9 @@ class Node:
         if reply is None or reply[0].get("code") != ErrorCode.UNKNOWN_SESSION or req.pos != 0:
             return reply
         max_tokens = self.engine.max_tokens_of(peer, req.session) or req.pos + req.n
-        opened = await self.next.request({"op": "open", "session": fwd, "max_tokens": max_tokens})
+        # The session's own open (its sampling above all), as first forwarded.
+        reopen = self.forwarded.get((peer, req.session), {"op": "open", "session": fwd, "max_tokens": max_tokens})
+        opened = await self.next.request(reopen)
         if opened is None or not (opened[0].get("op") == "opened" or opened[0].get("code") == ErrorCode.SESSION_EXISTS):
             return None
         return await self.next.request(header, payload)
@@ -574,14 +596,39 @@ class Node:
             return
         assert isinstance(result, Closed)
         header = {"op": "closed", "rid": req.rid, "session": req.session, "existed": result.existed}
-        self._send(peer, wire.encode(header))
-        if self.next is not None and result.existed:
-            # Idempotent there too; a next stage that does not answer is counted and logged.
-            await self.next.request({"op": "close", "session": forwarded_session(peer, req.session)})
+        self._send(peer, wire.encode(header))  # the engine has closed it on the next stage too
+
+    def _session_freed(self, peer: bytes, session: str) -> None:
+        """The engine freed a session (closed, lease run out, peer gone, rollback failed, ...):
+        free it on the next stage too. Runs in the engine task: queues the close, never waits."""
+        forwarded = self.forwarded.pop((peer, session), None)
+        if forwarded is not None and self.next is not None:
+            self.next.close_soon(forwarded["session"])
+
+    async def _expire_leases(self) -> None:
+        """Free the sessions of every connection silent for longer than the lease."""
+        lease = self.config.lease_s
+        while True:
+            now = trio.current_time()
+            for peer, heard in list(self.last_heard.items()):
+                if now - heard <= lease or self.handlers_by_peer[peer]:
+                    continue
+                del self.last_heard[peer]
+                self.pump.forget(peer)
+                if self.engine.sessions_of(peer):
+                    self.leases_expired += 1
+                    log.info("peer %s was silent for over %.1fs: freeing its sessions", peer.hex(), lease)
+                    self._drop_peer(peer)
+            idle = [heard for peer, heard in self.last_heard.items() if not self.handlers_by_peer[peer]]
+            oldest = min(idle, default=now)  # a peer with work in progress is renewed when it ends
+            await trio.sleep_until(max(oldest + lease, now) + 0.01)
 
     def _peer_gone(self, peer: bytes) -> None:
         self.peers_gone += 1
         log.info("peer %s is gone: freeing its sessions", peer.hex())
+        self._drop_peer(peer)
+
+    def _drop_peer(self, peer: bytes) -> None:
         for key, run in self.generations.items():
             if key[0] == peer:
                 run.cancel.set()

@@ -48,6 +48,9 @@ class SocketPump:
         self._parked: dict[bytes, deque[list[bytes]]] = {}
         self.gone: set[bytes] = set()
         self.failed = 0  # messages whose handler raised
+        # While set, queued messages wait in the outbox instead of going out (a link that is
+        # not up: its owner drops them or lets them go once it is).
+        self.holding = False
 
     def send_nowait(self, frames: list[bytes]) -> bool:
         """Queue frames for sending; False when the outbox is full or the peer is known gone."""
@@ -56,6 +59,21 @@ class SocketPump:
         self._outbox.append(frames)
         self.sock.wake()
         return True
+
+    def drop_outbox(self) -> int:
+        """Forget every message not sent yet (the link is down: never send them late); how many."""
+        dropped = len(self._outbox)
+        self._outbox.clear()
+        return dropped
+
+    def hold(self, holding: bool) -> None:
+        """Keep queued messages back (True), or let them go (False)."""
+        self.holding = holding
+        self.sock.wake()
+
+    def forget(self, peer: bytes) -> None:
+        """Stop remembering that `peer` is gone (its lease ran out: nothing refers to it any more)."""
+        self.gone.discard(peer)
 
     def backlog(self, peer: bytes) -> int:
         """Messages held back for `peer` because its pipe is full (0 while it keeps up)."""
@@ -76,14 +94,18 @@ class SocketPump:
                 frames = self.sock.try_recv()
                 if frames is None:
                     break
+                if self.routed:
+                    self.gone.discard(frames[0])  # it is back (a stable identity that reconnected)
                 received += 1
                 try:
                     self.on_message(frames)
                 except Exception:  # the handler's bug costs this message, never the socket
                     self.failed += 1
                     log.exception("a message's handler failed; message dropped")
-            if received or self._outbox:
+            if received:
                 await trio.lowlevel.checkpoint()
+            elif self._outbox and not self.holding:  # the pipe is full, or (ZMQ_IMMEDIATE) no peer is up
+                await self.sock.wait(for_send=True)
             elif self._parked:
                 with trio.move_on_after(RETRY_PARKED_S):
                     await self.sock.wait()
@@ -100,7 +122,7 @@ class SocketPump:
             raise
 
     def _flush(self) -> None:
-        while self._outbox:
+        while self._outbox and not self.holding:
             frames = self._outbox.popleft()
             peer = frames[0] if self.routed else b""
             if peer in self._parked:  # keep a slow peer's replies in order

@@ -13,6 +13,7 @@ one raises `ClientClosed` at once instead of waiting out its timeout.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import AsyncGenerator, Collection
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,11 @@ class OutboxFull(Exception):
     """The socket's outbox is full: the request was not sent."""
 
 
+class Abandoned(ClientClosed):
+    """The request was given up while waiting (the link went down, or the peer sent more
+    replies than the request can take): its reply can no longer arrive."""
+
+
 @dataclass(slots=True)
 class _Waiting:
     """Where the replies to one rid go; with `final_ops`, every reply until one of those ops."""
@@ -51,6 +57,7 @@ class Requester:
         self._waiting: dict[int, _Waiting] = {}
         self.closed = False
         self.dropped = 0  # replies that could not be read or matched
+        self.last_sent = -math.inf  # trio time a request was last queued: any request renews a lease
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Own the socket; when this stops, the waiting requests fail."""
@@ -83,6 +90,26 @@ class Requester:
             del self._waiting[rid]
             waiting.send.close()
 
+    def fail_waiting(self) -> None:
+        """Give up every waiting request (the link went down): each raises `Abandoned` at once."""
+        waiting, self._waiting = self._waiting, {}
+        for entry in waiting.values():
+            entry.send.close()
+
+    def send_nowait(self, header: dict[str, Any], payload: list[bytes] | None = None) -> bool:
+        """Send a request whose reply nobody waits for; False when it could not be queued."""
+        if self.closed:
+            return False
+        sent = self.pump.send_nowait(encode({**header, "rid": next(self._rids)}, *(payload or [])))
+        if sent:
+            self.last_sent = trio.current_time()
+        return sent
+
+    def _gone(self, header: dict[str, Any], what: str) -> ConnectionError:
+        if self.closed:
+            return ClientClosed(f"{header.get('op')!r}: {what}")
+        return Abandoned(f"{header.get('op')!r}: given up while waiting (the link went down?)")
+
     async def request(self, header: dict[str, Any], payload: list[bytes], timeout_s: float) -> Reply:
         """The reply, `error` replies included. TimeoutError, ClientClosed or OutboxFull otherwise."""
         if self.closed:
@@ -95,12 +122,13 @@ class Requester:
             if not self.pump.send_nowait(encode({**header, "rid": rid}, *payload)):
                 await trio.lowlevel.checkpoint()
                 raise OutboxFull(f"{header.get('op')!r}: the outbox is full")
+            self.last_sent = trio.current_time()
             with trio.move_on_after(timeout_s):
                 try:
                     return await recv.receive()
                 except trio.EndOfChannel:
                     await trio.lowlevel.checkpoint_if_cancelled()
-                    raise ClientClosed(f"{header.get('op')!r}: the client closed while waiting") from None
+                    raise self._gone(header, "the client closed while waiting") from None
             raise TimeoutError(f"no reply to {header.get('op')!r} within {timeout_s}s")
         finally:
             self._waiting.pop(rid, None)
@@ -121,6 +149,7 @@ class Requester:
             if not self.pump.send_nowait(encode({**header, "rid": rid}, *payload)):
                 await trio.lowlevel.checkpoint()
                 raise OutboxFull(f"{header.get('op')!r}: the outbox is full")
+            self.last_sent = trio.current_time()
             while True:
                 reply = None
                 with trio.move_on_after(timeout_s):  # never across a yield: the caller runs in between
@@ -128,7 +157,7 @@ class Requester:
                         reply = await recv.receive()
                     except trio.EndOfChannel:
                         await trio.lowlevel.checkpoint_if_cancelled()
-                        raise ClientClosed(f"{header.get('op')!r}: the reply stream ended early") from None
+                        raise self._gone(header, "the reply stream ended early") from None
                 if reply is None:
                     raise TimeoutError(f"no reply to {header.get('op')!r} within {timeout_s}s")
                 yield reply

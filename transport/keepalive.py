@@ -1,0 +1,61 @@
+"""Renewing a node's lease: a `ping` whenever a connection that holds sessions has been quiet.
+
+A node frees the sessions of a connection it has heard nothing from for `lease_ms`
+(PROTOCOL.md, "Leases"). Any request renews the lease, so the keeper only pings when
+nothing else was sent for a quarter of the lease (inside the contract's `lease_ms / 3`),
+and never while the connection holds no session. Each `opened` reply tells the lease
+(`lease_ms`, an extension key); a node that tells none does not expire sessions, and
+gets no pings.
+"""
+
+from __future__ import annotations
+
+import trio
+
+from transport.requester import Abandoned, ClientClosed, OutboxFull, Requester
+
+
+class LeaseKeeper:
+    """The sessions one connection holds, and the task that keeps them alive."""
+
+    def __init__(self, core: Requester) -> None:
+        self.core = core
+        self.sessions: set[str] = set()
+        self.lease_ms: int | None = None
+        self.pings = 0
+        self._changed = trio.Event()
+
+    def opened(self, session: str, lease_ms: object) -> None:
+        """A session is open there; `lease_ms` is what its `opened` reply said (None: no lease)."""
+        self.sessions.add(session)
+        if isinstance(lease_ms, int) and not isinstance(lease_ms, bool) and lease_ms > 0:
+            self.lease_ms = lease_ms if self.lease_ms is None else min(self.lease_ms, lease_ms)
+        self._changed.set()
+
+    def closed(self, session: str) -> None:
+        self.sessions.discard(session)
+
+    @property
+    def interval_s(self) -> float | None:
+        return None if self.lease_ms is None else self.lease_ms / 4000
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Ping while sessions are held and the connection is quiet; ends when the requester closes."""
+        task_status.started()
+        while True:
+            interval = self.interval_s
+            if not self.sessions or interval is None:
+                self._changed = trio.Event()
+                await self._changed.wait()
+                continue
+            due = self.core.last_sent + interval
+            if trio.current_time() < due:
+                await trio.sleep_until(due)
+                continue
+            try:
+                await self.core.request({"op": "ping"}, [], interval)
+                self.pings += 1
+            except (TimeoutError, OutboxFull, Abandoned):
+                continue  # the send itself renewed `last_sent`: the next one is due a quarter lease on
+            except ClientClosed:
+                return
