@@ -24,13 +24,15 @@ lint: setup
 bench-setup: setup
     {{py}} -m pip install -q -e ".[bench]"
 
-# Nodes, chain, peers at concurrency 1-16, proofs, burst (evidence/DGR-012); full: kernel paths, CURVE cost too.
+# Nodes, chain, peers at concurrency 1-16, proofs, burst (evidence/DGR-012); full: kernels, CURVE, multi-host too.
 bench mode="full": bench-setup
     status=0; \
     {{py}} -m bench.report {{mode}} || status=$?; \
     if [ "{{mode}}" = full ] && [ "$status" != 130 ]; then \
         {{py}} -m bench.kernel_paths --reps 3 || status=1; \
-        {{py}} -m bench.curve_cost || status=1; \
+        {{py}} -m bench.curve_cost --reps 3 || status=1; \
+        {{py}} -m bench.multihost --out evidence/multihost.json || status=1; \
+        {{py}} -m bench.pipeline_evidence || status=1; \
     fi; \
     exit $status
 
@@ -69,3 +71,7 @@ bench-sweeps: bench-setup
 # The cost of CurveZMQ links: single node and 2-stage chain at concurrency 8 (evidence/curve.json).
 bench-curve: bench-setup
     {{py}} -m bench.curve_cost
+
+# A 2-stage chain across network namespaces: scale-out and latency tolerance (evidence/multihost.json).
+bench-multihost: bench-setup
+    {{py}} -m bench.multihost --out evidence/multihost.json

@@ -75,7 +75,7 @@ class Plan:
     seed: int = 12
 
 
-FULL = Plan(mode="full", requests=16, max_new=32, max_prompt=256, concurrencies=(1, 2, 4, 8, 16), reps=3,
+FULL = Plan(mode="full", requests=16, max_new=32, max_prompt=256, concurrencies=(1, 2, 4, 8, 16), reps=2,
             kv_cells=4096, ctx_per_slot=512, build_server=True, burst_queue_bytes=1024,
             out_dir=EVIDENCE / "DGR-012")  # fmt: skip
 QUICK = Plan(mode="quick", requests=16, max_new=16, max_prompt=64, concurrencies=(1, 2, 4, 8, 16), reps=1,

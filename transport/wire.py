@@ -452,6 +452,10 @@ def _reply_int(h: dict[str, Any], key: str, lo: int, hi: int) -> int:
     return v
 
 
+# What a next stage answers to each request a node forwards to it.
+_ANSWERS = {"open": "opened", "step": "result", "close": "closed", "ping": "pong"}
+
+
 def check_reply(
     sent: dict[str, Any], header: dict[str, Any], payload: list[bytes], n_embd: int, n_vocab: int
 ) -> tuple[dict[str, Any], list[bytes]]:
@@ -467,7 +471,9 @@ def check_reply(
         if header.get("retry_after_ms") is not None:
             checked["retry_after_ms"] = _reply_int(header, "retry_after_ms", 0, 2**31 - 1)
         return checked, payload
-    want = {"open": "opened", "step": "result", "close": "closed"}[str(sent["op"])]
+    want = _ANSWERS.get(str(sent["op"]))
+    if want is None:
+        raise _reply_error(f"no reply check for a forwarded {show(sent['op'])}")
     if op != want:
         raise _reply_error(f"expected {want!r} or 'error', got op {show(op)}")
     if want == "opened":
