@@ -297,7 +297,7 @@ class Gateway:
         stop = StopText(params.stop)
         reason = "length"
         try:
-            replies = self.client.generate_tokens(session, 0, ids, params.max_tokens)
+            replies = self.client.generate_tokens(session, 0, ids, params.max_tokens, ignore_eog=params.ignore_eos)
             async with aclosing(replies):
                 async for reply in replies:
                     if isinstance(reply, Done):

@@ -59,6 +59,7 @@ class GenerationParams:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    ignore_eos: bool = False  # llama-server's extension: end-of-generation tokens do not end the run
 
     def sampling(self) -> dict[str, Any]:
         return {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed}
@@ -98,6 +99,13 @@ def _int(body: dict[str, Any], key: str, default: int | None, low: int) -> int |
     return value
 
 
+def _flag(body: dict[str, Any], key: str) -> bool:
+    value = body.get(key, False)
+    if not isinstance(value, bool):
+        raise bad(f"'{key}' must be a boolean", key)
+    return value
+
+
 def _stop(body: dict[str, Any]) -> tuple[str, ...]:
     value = body.get("stop")
     if value is None:
@@ -120,9 +128,7 @@ def generation_params(body: dict[str, Any], *, chat: bool) -> GenerationParams:
     max_tokens = _int(body, "max_tokens", None, 1)
     if chat and max_tokens is None:
         max_tokens = _int(body, "max_completion_tokens", None, 1)
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise bad("'stream' must be a boolean", "stream")
+    stream = _flag(body, "stream")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise bad("'stream_options' must be an object", "stream_options")
@@ -135,6 +141,7 @@ def generation_params(body: dict[str, Any], *, chat: bool) -> GenerationParams:
         stop=_stop(body),
         stream=stream,
         include_usage=bool(options.get("include_usage", False)),
+        ignore_eos=_flag(body, "ignore_eos"),
     )
 
 
