@@ -216,7 +216,7 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = GatewayConfig(node=args.node, host=args.host, port=args.port, model_name=args.model_name,
                            model=args.model, server_key=args.server_key, key=args.key, timeout_s=args.timeout,
-                           max_requests=args.max_requests)  # fmt: skip
+                           max_requests=args.max_requests, open_wait_ms=args.open_wait_ms)  # fmt: skip
 
     async def run() -> None:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -365,6 +365,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gateway.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for each reply of the node")
     gateway.add_argument("--max-requests", type=int, default=64, help="generations in flight; more get 429")
+    gateway.add_argument(
+        "--open-wait-ms", type=int, default=0, help="a request may wait this long in a full node's queue before 429"
+    )
     _client_keys(gateway)
     gateway.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     gateway.set_defaults(run=_cmd_gateway)

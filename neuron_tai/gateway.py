@@ -66,6 +66,7 @@ class GatewayConfig:
     key: Path | None = None
     timeout_s: float = 60.0  # the node's replies, each within this of the one before
     max_requests: int = 64  # generations in flight; more are refused with 429
+    open_wait_ms: int = 0  # how long a request may wait at a full node (its bounded queue) before 429
 
 
 def node_error(exc: NodeError) -> ApiError:
@@ -283,7 +284,9 @@ class Gateway:
         if not ids:
             raise bad("the prompt is empty", "prompt")
         session = uuid.uuid4().hex
-        opened = await self.client.open(session, len(ids) + params.max_tokens, sampling=params.sampling())
+        opened = await self.client.open(
+            session, len(ids) + params.max_tokens, sampling=params.sampling(), wait_ms=self.config.open_wait_ms
+        )
         return session, {int(t) for t in opened.get("stage", {}).get("eog_tokens", [])}
 
     async def _generate(
@@ -293,7 +296,8 @@ class Gateway:
         The session is closed on the way out, whatever the way."""
         session, eog = opened
         finished = False
-        out: list[int] = []
+        out: list[int] = []  # the answer's tokens: end-of-generation tokens left out of the text
+        made = 0  # tokens generated, counted in `usage`
         stop = StopText(params.stop)
         reason = "length"
         try:
@@ -303,7 +307,9 @@ class Gateway:
                     if isinstance(reply, Done):
                         finished = True
                         reason = "stop" if reply.reason in ("eog", "stop") else "length"
+                        made -= reply.reason == "eog"  # the token that ended the run is not part of the answer
                         break
+                    made += len(reply.tokens)
                     new = [t for t in reply.tokens if t not in eog]
                     if not new:
                         continue
@@ -319,7 +325,7 @@ class Gateway:
                     yield shown
                 if shown := stop.flush():
                     yield shown
-            yield Finish(reason, Usage(len(ids), len(out)))
+            yield Finish(reason, Usage(len(ids), made))
         finally:
             await self._end_session(session, finished)
 
