@@ -48,12 +48,14 @@ class SpecialTokens:
     add_bos: bool
 
     def split(self, text: str) -> list[str | int]:
-        """`text` as plain pieces and special-token ids, longest token text matched first."""
-        names = sorted((n for n in self.ids if n), key=len, reverse=True)
+        """`text` as plain pieces and special-token ids, the longest token text matched first."""
+        by_first: dict[str, list[str]] = {}
+        for name in sorted((n for n in self.ids if n), key=len, reverse=True):
+            by_first.setdefault(name[0], []).append(name)
         out: list[str | int] = []
         start = i = 0
         while i < len(text):
-            hit = next((n for n in names if text.startswith(n, i)), None)
+            hit = next((n for n in by_first.get(text[i], ()) if text.startswith(n, i)), None)
             if hit is None:
                 i += 1
                 continue
