@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing, suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,15 +96,33 @@ class Finish:
     usage: Usage
 
 
+@dataclass(slots=True)
+class NodeSession:
+    """A request's session on the node; `ended` once cancelled and closed (done once, whoever asks first)."""
+
+    id: str
+    eog: set[int]
+    finished: bool = False  # its generate has ended: nothing to cancel
+    ended: bool = False
+
+
 class EventStream(StreamingResponse):
-    """A streaming response that always closes its body iterator, so a generation's cleanup runs
-    at once when the HTTP client goes away, not whenever the iterator is collected."""
+    """A streaming response that always closes its body and then runs `on_close`, so a generation's
+    cleanup runs at once when the HTTP client goes away (even before the body was started), not
+    whenever the iterator is collected."""
+
+    def __init__(self, content: AsyncGenerator[bytes, None], on_close: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.on_close = on_close
 
     async def stream_response(self, send: Send) -> None:
         body = self.body_iterator
         assert isinstance(body, AsyncGenerator)
-        async with aclosing(body):
-            await super().stream_response(send)
+        try:
+            async with aclosing(body):
+                await super().stream_response(send)
+        finally:
+            await self.on_close()
 
 
 class GatewayMetrics:
@@ -203,13 +221,20 @@ class Gateway:
                 self.active -= 1
                 self.metrics.in_flight.dec()
 
+        opened: NodeSession | None = None
         try:
             ids = await self._prompt_ids(body, chat)
             opened = await self._open(ids, params)
             pieces = self._generate(opened, ids, params)
             if params.stream:
-                stream = self._events(pieces, shape, params, request.url.path, start, release)
-                return EventStream(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+                endpoint = request.url.path
+
+                async def on_close() -> None:
+                    await self._end_session(opened)
+                    release()
+                    self.metrics.latency.labels(endpoint).observe(time.perf_counter() - start)
+
+                return EventStream(self._events(pieces, shape, params, start), on_close)
             text: list[str] = []
             async with aclosing(pieces):
                 async for piece in pieces:
@@ -224,6 +249,8 @@ class Gateway:
             raise unreachable(exc) from None
         finally:
             if not params.stream:
+                if opened is not None:
+                    await self._end_session(opened)
                 release()
 
     async def _events(
@@ -231,9 +258,7 @@ class Gateway:
         pieces: AsyncGenerator[str | Finish, None],
         shape: Shape,
         params: GenerationParams,
-        endpoint: str,
         start: float,
-        release: Callable[[], None],
     ) -> AsyncGenerator[bytes, None]:
         timed = True
         try:
@@ -257,9 +282,6 @@ class Gateway:
             yield event(node_error(exc).body())
         except (TimeoutError, ClientClosed) as exc:
             yield event(unreachable(exc).body())
-        finally:
-            release()
-            self.metrics.latency.labels(endpoint).observe(time.perf_counter() - start)
         yield event("[DONE]")
 
     async def _prompt_ids(self, body: dict[str, Any], chat: bool) -> list[int]:
@@ -280,22 +302,21 @@ class Gateway:
             ids.insert(0, specials.bos_id)
         return ids
 
-    async def _open(self, ids: list[int], params: GenerationParams) -> tuple[str, set[int]]:
+    async def _open(self, ids: list[int], params: GenerationParams) -> NodeSession:
         if not ids:
             raise bad("the prompt is empty", "prompt")
         session = uuid.uuid4().hex
         opened = await self.client.open(
             session, len(ids) + params.max_tokens, sampling=params.sampling(), wait_ms=self.config.open_wait_ms
         )
-        return session, {int(t) for t in opened.get("stage", {}).get("eog_tokens", [])}
+        return NodeSession(session, {int(t) for t in opened.get("stage", {}).get("eog_tokens", [])})
 
     async def _generate(
-        self, opened: tuple[str, set[int]], ids: list[int], params: GenerationParams
+        self, opened: NodeSession, ids: list[int], params: GenerationParams
     ) -> AsyncGenerator[str | Finish, None]:
         """Text as it becomes safe to show (stop strings held back), then one `Finish`.
         The session is closed on the way out, whatever the way."""
-        session, eog = opened
-        finished = False
+        session, eog = opened.id, opened.eog
         out: list[int] = []  # the answer's tokens: end-of-generation tokens left out of the text
         made = 0  # tokens generated, counted in `usage`
         stop = StopText(params.stop)
@@ -305,7 +326,7 @@ class Gateway:
             async with aclosing(replies):
                 async for reply in replies:
                     if isinstance(reply, Done):
-                        finished = True
+                        opened.finished = True
                         reason = "stop" if reply.reason in ("eog", "stop") else "length"
                         made -= reply.reason == "eog"  # the token that ended the run is not part of the answer
                         break
@@ -327,14 +348,17 @@ class Gateway:
                     yield shown
             yield Finish(reason, Usage(len(ids), made))
         finally:
-            await self._end_session(session, finished)
+            await self._end_session(opened)
 
-    async def _end_session(self, session: str, finished: bool) -> None:
+    async def _end_session(self, session: NodeSession) -> None:
+        if session.ended:
+            return
+        session.ended = True
         with trio.CancelScope(shield=True), trio.move_on_after(self.config.timeout_s):
             with suppress(NodeError, ClientClosed, TimeoutError):
-                if not finished:
-                    await self.client.cancel(session)
-            await self.client.close_on_exit(session)
+                if not session.finished:
+                    await self.client.cancel(session.id)
+            await self.client.close_on_exit(session.id)
 
 
 async def serve_gateway(
