@@ -65,3 +65,7 @@ bench-sweeps: bench-setup
 # The cost of CurveZMQ links: single node and 2-stage chain at concurrency 8 (evidence/curve.json).
 bench-curve: bench-setup
     {{py}} -m bench.curve_cost
+
+# The OpenAI gateway before a node and a 2-stage chain vs llama-server's OpenAI endpoint (`quick`: tiny model).
+bench-gateway mode="full": bench-setup
+    {{py}} -m bench.gateway_bench {{ if mode == "quick" { "--quick" } else { "" } }}
