@@ -32,6 +32,7 @@ bench mode="full": bench-setup
         {{py}} -m bench.kernel_paths --reps 3 || status=1; \
         {{py}} -m bench.curve_cost --reps 3 || status=1; \
         {{py}} -m bench.multihost --out evidence/multihost.json || status=1; \
+        {{py}} -m bench.gateway_bench --out evidence/gateway.json || status=1; \
         {{py}} -m bench.pipeline_evidence || status=1; \
     fi; \
     exit $status
@@ -75,3 +76,7 @@ bench-curve: bench-setup
 # A 2-stage chain across network namespaces: scale-out and latency tolerance (evidence/multihost.json).
 bench-multihost: bench-setup
     {{py}} -m bench.multihost --out evidence/multihost.json
+
+# The OpenAI gateway before a node and a 2-stage chain vs llama-server's OpenAI endpoint (`quick`: tiny model).
+bench-gateway mode="full": bench-setup
+    {{py}} -m bench.gateway_bench {{ if mode == "quick" { "--quick" } else { "" } }}

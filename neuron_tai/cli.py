@@ -214,6 +214,31 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_gateway(args: argparse.Namespace) -> int:
+    import trio  # noqa: PLC0415
+
+    from neuron_tai.gateway import GatewayConfig, serve_gateway  # noqa: PLC0415
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = GatewayConfig(node=args.node, host=args.host, port=args.port, model_name=args.model_name,
+                           model=args.model, server_key=args.server_key, key=args.key, timeout_s=args.timeout,
+                           max_requests=args.max_requests, open_wait_ms=args.open_wait_ms)  # fmt: skip
+
+    async def run() -> None:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            stop = trio.Event()
+            async with trio.open_nursery() as nursery:
+                binds = await nursery.start(lambda task_status: serve_gateway(config, shutdown=stop,
+                                                                              task_status=task_status))  # fmt: skip
+                print(f"ready {' '.join(binds)}", flush=True)
+                async for _signum in signals:
+                    stop.set()
+                    break
+
+    trio.run(run)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="neuron-tai", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -355,6 +380,29 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--timeout", type=float, default=10.0)
     _client_keys(stats)
     stats.set_defaults(run=_cmd_stats)
+
+    gateway = sub.add_parser(
+        "gateway",
+        help="serve an OpenAI-compatible HTTP API in front of a node or chain head",
+        description="POST /v1/completions and /v1/chat/completions (streaming or not), GET /v1/models, "
+        "/health and /metrics. Prints 'ready URL' when it accepts requests; SIGINT or SIGTERM stops it.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    gateway.add_argument("--node", required=True, metavar="ADDR", help="the node (or chain head) to serve from")
+    gateway.add_argument("--host", default="127.0.0.1", help="HTTP address to listen on")
+    gateway.add_argument("--port", type=int, default=8080, help="HTTP port (0: any free port)")
+    gateway.add_argument("--model-name", default="neuron-tai", help="the model id clients see and send")
+    gateway.add_argument(
+        "--model", type=Path, metavar="FILE", help="the GGUF model (or its first shard): chat prompts use its template"
+    )
+    gateway.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for each reply of the node")
+    gateway.add_argument("--max-requests", type=int, default=64, help="generations in flight; more get 429")
+    gateway.add_argument(
+        "--open-wait-ms", type=int, default=0, help="a request may wait this long in a full node's queue before 429"
+    )
+    _client_keys(gateway)
+    gateway.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    gateway.set_defaults(run=_cmd_gateway)
 
     keygen = sub.add_parser(
         "keygen",

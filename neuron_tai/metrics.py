@@ -20,25 +20,26 @@ LABELLED = {"admissions_rejected_total": "reason", "errors_total": "code"}
 
 
 class SnapshotCollector(Collector):
-    def __init__(self) -> None:
+    def __init__(self, prefix: str = PREFIX) -> None:
         self.snapshot: dict[str, Any] = {}
+        self.prefix = prefix
 
     def collect(self) -> Iterator[Any]:
-        snap = self.snapshot
+        snap, prefix = self.snapshot, self.prefix
         for name, value in snap.items():
             if name in LABELLED:
-                family = CounterMetricFamily(PREFIX + name.removesuffix("_total"), name, labels=[LABELLED[name]])
+                family = CounterMetricFamily(prefix + name.removesuffix("_total"), name, labels=[LABELLED[name]])
                 for label, count in value.items():
                     family.add_metric([label], count)
                 yield family
             elif name == "step_seconds":
                 buckets = [(b, v) for b, v in value["buckets"].items()]
-                yield HistogramMetricFamily(PREFIX + name, "llama_decode call time", buckets=buckets,
+                yield HistogramMetricFamily(prefix + name, "llama_decode call time", buckets=buckets,
                                             sum_value=value["sum"])  # fmt: skip
             elif name in COUNTERS:
-                yield CounterMetricFamily(PREFIX + name.removesuffix("_total"), name, value=value)
+                yield CounterMetricFamily(prefix + name.removesuffix("_total"), name, value=value)
             elif isinstance(value, int | float) and not isinstance(value, bool):
-                yield GaugeMetricFamily(PREFIX + name, name, value=value)
+                yield GaugeMetricFamily(prefix + name, name, value=value)
 
 
 async def serve_metrics(

@@ -1,0 +1,206 @@
+"""The OpenAI gateway in front of a single node and of a 2-stage chain, against llama-server's own
+OpenAI endpoint, with the same workload at concurrency 1 to 16.
+
+    python -m bench.gateway_bench            # gemma-3-270m (the bench extra); builds llama-server once
+    python -m bench.gateway_bench --quick    # the tiny test model: checks that it all runs, numbers mean nothing
+
+Every system gets the same requests (token-id prompts, greedy, `ignore_eos`, a fixed number
+of tokens) through `POST /v1/completions` with `stream: true`, from concurrent clients in a
+closed loop. Measured per concurrency: aggregate completion tokens per second over the wall
+time (prefill included; tokens from each response's `usage`), time to the first streamed
+text, and the gaps between streamed chunks (one chunk per token from llama-server; the
+gateway sends what the node delivered together, usually one token). Writes JSON to
+`.bench/` (or `--out`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import trio
+
+from bench.common import WORK, gemma_path, shown
+from bench.latency import percentile_ms
+from bench.llama_server import cached_binary, ensure_llama_server
+from bench.processes import Processes, free_ports, node_ready, open_processes
+from bench.server_peer import healthy, server_command
+from bench.workload import CORPUS, Request, make_requests
+from engine.gguf_facts import read_facts
+from engine.llama_handles import weight_placement
+from neuron_tai.client import open_client
+from neuron_tai.shard import stage_bounds, write_stages
+from neuron_tai.testmodel import write_tiny_model
+
+SLOTS = 8  # node sessions and llama-server slots
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    requests: int
+    max_new: int
+    max_prompt: int
+    concurrencies: tuple[int, ...]
+    kv_cells: int
+    ctx_per_slot: int
+
+
+FULL = Plan(requests=16, max_new=32, max_prompt=256, concurrencies=(1, 2, 4, 8, 16), kv_cells=4096, ctx_per_slot=512)
+QUICK = Plan(requests=16, max_new=8, max_prompt=64, concurrencies=(1, 2, 4, 8, 16), kv_cells=2048, ctx_per_slot=256)
+
+
+@dataclass(slots=True)
+class Seen:
+    """One streamed completion: when it started, when each text chunk came, how many tokens it made."""
+
+    start: float
+    chunks: list[float] = field(default_factory=list)
+    tokens: int = 0
+
+
+async def complete(http: httpx.AsyncClient, url: str, model: str, req: Request) -> Seen:
+    body = {"model": model, "prompt": list(req.prompt), "max_tokens": req.max_new, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+            "cache_prompt": False}  # fmt: skip
+    seen = Seen(time.perf_counter())
+    async with http.stream("POST", url, json=body) as reply:
+        if reply.status_code != 200:
+            raise RuntimeError(f"{url} answered {reply.status_code}: {(await reply.aread())[:200]!r}")
+        async for line in reply.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                seen.chunks.append(time.perf_counter())
+            if chunk.get("usage"):
+                seen.tokens = int(chunk["usage"]["completion_tokens"])
+    if seen.tokens != req.max_new:
+        raise RuntimeError(f"{url}: {seen.tokens} tokens for request {req.rid}, not {req.max_new}")
+    return seen
+
+
+async def closed_loop(url: str, model: str, requests: list[Request], concurrency: int) -> dict[str, Any]:
+    pending = iter(requests)
+    seen: list[Seen] = []
+
+    async def worker(http: httpx.AsyncClient) -> None:
+        for req in pending:
+            seen.append(await complete(http, url, model, req))
+
+    limits = httpx.Limits(max_connections=concurrency)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as http:
+        start = time.perf_counter()
+        async with trio.open_nursery() as nursery:
+            for _ in range(concurrency):
+                nursery.start_soon(worker, http)
+        wall = time.perf_counter() - start
+    tokens = sum(s.tokens for s in seen)
+    gaps = [b - a for s in seen for a, b in zip(s.chunks, s.chunks[1:], strict=False)]
+    return {
+        "concurrency": concurrency,
+        "requests": len(seen),
+        "tokens": tokens,
+        "wall_s": round(wall, 3),
+        "tok_s": round(tokens / wall, 2),
+        "ttft_p50_ms": percentile_ms([s.chunks[0] - s.start for s in seen if s.chunks], 50),
+        "ttft_p99_ms": percentile_ms([s.chunks[0] - s.start for s in seen if s.chunks], 99),
+        "itl_p50_ms": percentile_ms(gaps, 50),
+        "itl_p99_ms": percentile_ms(gaps, 99),
+    }
+
+
+def model_for(quick: bool) -> Path:
+    if not quick:
+        return gemma_path()
+    path = WORK / "tiny" / "tiny-llama.gguf"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_tiny_model(path)
+    return path
+
+
+def start(procs: Processes, model: Path, plan: Plan, quick: bool) -> tuple[dict[str, str], str]:
+    """Nodes, a gateway in front of each, and llama-server: ({system name: completions URL}, the single node)."""
+    blocks = read_facts(model).block_count
+    shards = write_stages(model, WORK / "shards-gateway" / model.stem, stage_bounds(blocks, stages=2))
+    p = free_ports(6)
+    limits = ["--max-sessions", str(SLOTS), "--max-waiting", "64", "--kv-cells", str(plan.kv_cells),
+              "--log-level", "warning"]  # fmt: skip
+    cli = [sys.executable, "-m", "neuron_tai.cli"]
+
+    def node(name: str, path: Path, port: int, threads: int, extra: tuple[str, ...] = ()) -> str:
+        address = f"tcp://127.0.0.1:{port}"
+        cmd = [*cli, "serve", str(path), "--bind", address, "--threads", str(threads), *limits, *extra]
+        if not procs.start(name, cmd, node_ready):
+            raise RuntimeError(f"{name} did not start; see {shown(procs.log(name))}")
+        return address
+
+    def gateway(name: str, address: str, port: int) -> str:
+        cmd = [*cli, "gateway", "--node", address, "--port", str(port), "--model-name", model.stem,
+               "--open-wait-ms", "50000", "--timeout", "120"]  # fmt: skip
+        if not procs.start(name, cmd, node_ready):
+            raise RuntimeError(f"{name} did not start; see {shown(procs.log(name))}")
+        return f"http://127.0.0.1:{port}/v1/completions"
+
+    single = node("single", model, p[0], 2)
+    urls = {"gateway + single node": gateway("gateway-single", single, p[1])}
+    tail = node("chain2-tail", shards[1], p[2], 1)
+    urls["gateway + 2-stage chain"] = gateway("gateway-chain2", node("chain2-head", shards[0], p[3], 1,
+                                                                     ("--next", tail)), p[4])  # fmt: skip
+    binary = cached_binary()
+    if binary is None and not quick:
+        print("building llama-server from the vendored llama.cpp (once; about 6 minutes on 2 cores) ...", flush=True)
+        binary, note = ensure_llama_server()
+        print(note, flush=True)
+    if binary is None:
+        print("llama-server: not built yet, skipped (`python -m bench.gateway_bench` builds it)", flush=True)
+        return urls, single
+    port = p[5]
+    cmd = server_command(binary, model, port, SLOTS, plan.ctx_per_slot, 2, weight_placement(model))
+    if procs.start("llama-server", cmd, lambda _log: healthy(port)):
+        urls[f"llama-server -np {SLOTS}"] = f"http://127.0.0.1:{port}/v1/completions"
+    return urls, single
+
+
+async def workload(node: str, plan: Plan) -> list[Request]:
+    async with open_client(node) as client:
+        corpus = await client.tokenize(CORPUS, add_special=False)
+        start = await client.tokenize("", add_special=True)
+    bos = start[0] if start else None
+    return make_requests(corpus, plan.requests, plan.max_new, seed=12, max_prompt=plan.max_prompt, bos=bos)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="the tiny test model, few tokens: a check that it runs")
+    parser.add_argument("--out", type=Path, help="JSON results (default: .bench/gateway[-quick].json)")
+    args = parser.parse_args()
+    plan = QUICK if args.quick else FULL
+    model = model_for(args.quick)
+    out = args.out or WORK / f"gateway{'-quick' if args.quick else ''}.json"
+    results: dict[str, list[dict[str, Any]]] = {}
+    with open_processes(WORK / "gateway-logs") as procs:
+        urls, single = start(procs, model, plan, args.quick)
+        requests = trio.run(workload, single, plan)
+        for c in plan.concurrencies:  # systems interleaved at each concurrency: drift hits all alike
+            for system, url in urls.items():
+                row = trio.run(closed_loop, url, model.stem, requests, c)
+                results.setdefault(system, []).append(row)
+                print(f"{system:28} c={c:<3} {row['tok_s']:8.2f} tok/s  TTFT p50/p99 {row['ttft_p50_ms']}/"
+                      f"{row['ttft_p99_ms']} ms  ITL p50/p99 {row['itl_p50_ms']}/{row['itl_p99_ms']} ms",
+                      flush=True)  # fmt: skip
+    out.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"model": shown(model), "plan": asdict(plan), "results": results}
+    out.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    print(f"wrote {shown(out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,239 @@
+"""OpenAI's completion and chat request bodies, checked, and its response shapes.
+
+Only what the gateway honours is accepted with a meaning; anything that would change the
+answer in a way it cannot honour (`n` other than 1, several prompts) is refused with a
+400 and OpenAI's error body rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+MAX_STOPS = 4
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+CHAT_DEFAULT_MAX_TOKENS = 256  # chat has no limit by default at OpenAI; a node session needs one
+
+
+class ApiError(Exception):
+    """An HTTP error with OpenAI's body: `{"error": {"message", "type", "param", "code"}}`."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        retry_after_s: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+        self.code = code
+        self.retry_after_s = retry_after_s
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param)
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationParams:
+    """What one request asks of the node, whatever the endpoint."""
+
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    ignore_eos: bool = False  # llama-server's extension: end-of-generation tokens do not end the run
+
+    def sampling(self) -> dict[str, Any]:
+        return {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed}
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    return body
+
+
+def _number(
+    body: dict[str, Any], key: str, default: float, low: float, high: float, *, open_low: bool = False
+) -> float:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise bad(f"'{key}' must be a number", key)
+    if value > high or value < low or (open_low and value == low):
+        raise bad(f"'{key}' must be in {'(' if open_low else '['}{low}, {high}], got {value}", key)
+    return float(value)
+
+
+def _int(body: dict[str, Any], key: str, default: int | None, low: int) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad(f"'{key}' must be an integer", key)
+    if value < low:
+        raise bad(f"'{key}' must be at least {low}, got {value}", key)
+    return value
+
+
+def _flag(body: dict[str, Any], key: str) -> bool:
+    value = body.get(key, False)
+    if not isinstance(value, bool):
+        raise bad(f"'{key}' must be a boolean", key)
+    return value
+
+
+def _stop(body: dict[str, Any]) -> tuple[str, ...]:
+    value = body.get("stop")
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise bad("'stop' must be a string or a list of strings", "stop")
+    if len(stops) > MAX_STOPS:
+        raise bad(f"'stop' takes at most {MAX_STOPS} strings", "stop")
+    return tuple(s for s in stops if s)
+
+
+def generation_params(body: dict[str, Any], *, chat: bool) -> GenerationParams:
+    n = _int(body, "n", 1, 1)
+    if n != 1:
+        raise bad(f"only n=1 is supported, got n={n}", "n")
+    if body.get("best_of") not in (None, 1):
+        raise bad("only best_of=1 is supported", "best_of")
+    default = CHAT_DEFAULT_MAX_TOKENS if chat else COMPLETION_DEFAULT_MAX_TOKENS
+    max_tokens = _int(body, "max_tokens", None, 1)
+    if chat and max_tokens is None:
+        max_tokens = _int(body, "max_completion_tokens", None, 1)
+    stream = _flag(body, "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise bad("'stream_options' must be an object", "stream_options")
+    seed = _int(body, "seed", None, -(2**63))
+    return GenerationParams(
+        max_tokens=max_tokens or default,
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, open_low=True),
+        seed=(seed if seed is not None else random.getrandbits(31)) % 2**31,
+        stop=_stop(body),
+        stream=stream,
+        include_usage=bool(options.get("include_usage", False)),
+        ignore_eos=_flag(body, "ignore_eos"),
+    )
+
+
+def completion_prompt(body: dict[str, Any]) -> str | list[int]:
+    """One prompt: a string, or a list of token ids; a list of one of those is that one."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return [int(t) for t in prompt]
+    if isinstance(prompt, list) and len(prompt) > 1:
+        raise bad("only one prompt per request is supported", "prompt")
+    raise bad("'prompt' must be a string or a list of token ids", "prompt")
+
+
+def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The messages with `content` as plain text (text parts joined); other keys kept for the template."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("'messages' must be a non-empty list", "messages")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise bad(f"messages[{i}] must be an object with a 'role'", "messages")
+        content = message.get("content")
+        if isinstance(content, list):
+            parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+            if len(parts) != len(content) or not all(isinstance(p, str) for p in parts):
+                raise bad(f"messages[{i}]: only text content parts are supported", "messages")
+            content = "".join(parts)  # type: ignore[arg-type]
+        elif content is None:
+            content = ""
+        elif not isinstance(content, str):
+            raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
+        out.append({**message, "content": content})
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    def body(self) -> dict[str, int]:
+        total = self.prompt_tokens + self.completion_tokens
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens, "total_tokens": total}
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """The response shapes of one endpoint: text completions or chat."""
+
+    chat: bool
+    model: str
+    id: str
+    created: int
+
+    @staticmethod
+    def new(chat: bool, model: str) -> Shape:
+        prefix = "chatcmpl-" if chat else "cmpl-"
+        return Shape(chat, model, prefix + uuid.uuid4().hex, int(time.time()))
+
+    def _head(self, chunk: bool) -> dict[str, Any]:
+        kind = "chat.completion" if self.chat else "text_completion"
+        obj = kind + ".chunk" if chunk and self.chat else kind
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def full(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
+        if self.chat:
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
+                                      "logprobs": None, "finish_reason": finish_reason}  # fmt: skip
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return {**self._head(False), "choices": [choice], "usage": usage.body()}
+
+    def chunk(self, text: str | None, finish_reason: str | None = None, *, first: bool = False) -> dict[str, Any]:
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": text or ""} if first else {}
+            if text and not first:
+                delta["content"] = text
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        return {**self._head(True), "choices": [choice]}
+
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
+        return {**self._head(True), "choices": [], "usage": usage.body()}
+
+
+def event(payload: dict[str, Any] | str) -> bytes:
+    """One server-sent event: `data: {...}` and a blank line."""
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()

@@ -1,0 +1,57 @@
+"""Stop strings on generated text, across token boundaries.
+
+The model produces tokens; a stop string is text. It can begin in one token and end in
+the next, so the matcher keeps the whole text and releases only what can no longer be
+the start of a stop string: a streaming client never sees text that a later token turns
+into a stop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class StopText:
+    """Feed the detokenized text so far; get back what may be shown and whether a stop string was hit."""
+
+    stops: tuple[str, ...]
+    text: str = ""
+    shown: int = 0  # characters of `text` already released
+    stopped: bool = field(default=False)
+
+    def feed(self, text: str) -> str:
+        """`text` is the whole output so far (it only grows). Returns the newly releasable part."""
+        self.text = text
+        cut = self._first_stop()
+        if cut is not None:
+            self.stopped = True
+            self.text = text[:cut]
+            return self._release(cut)
+        return self._release(len(text) - self._held_back())
+
+    def flush(self) -> str:
+        """The end of the output: release whatever was held back."""
+        return self._release(len(self.text))
+
+    def _first_stop(self) -> int | None:
+        found = [i for s in self.stops if s and (i := self.text.find(s, max(0, self.shown - len(s) + 1))) >= 0]
+        return min(found) if found else None
+
+    def _held_back(self) -> int:
+        """The longest tail of the text that is a proper prefix of some stop string."""
+        tail = self.text[self.shown :]
+        longest = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(tail)), longest, -1):
+                if tail.endswith(s[:k]):
+                    longest = k
+                    break
+        return longest
+
+    def _release(self, upto: int) -> str:
+        if upto <= self.shown:
+            return ""
+        out = self.text[self.shown : upto]
+        self.shown = upto
+        return out

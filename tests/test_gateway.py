@@ -1,0 +1,287 @@
+"""The OpenAI-compatible gateway, in process, in front of a real node on the tiny model.
+
+Driven with the official `openai` client (sync and async, streamed and not) and with raw
+HTTP, and compared with what the node itself generates.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import trio
+from openai.types.chat import ChatCompletionMessageParam
+
+from neuron_tai.chat_template import FALLBACK_TEMPLATE, ChatTemplate, SpecialTokens, load_chat_template
+from neuron_tai.client import Done, Generated, open_client
+from neuron_tai.gateway import GatewayConfig, serve_gateway
+from neuron_tai.stop_text import StopText
+from tests.nodes import NodeProcess, running
+
+PROMPT = "The lighthouse keeper climbed the stairs"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def node(tiny_model: Path) -> Iterator[str]:
+    proc = NodeProcess(tiny_model, f"tcp://127.0.0.1:{_free_port()}")
+    with running(proc):
+        yield proc.address
+
+
+@asynccontextmanager
+async def gateway(node: str, **kwargs: Any) -> AsyncIterator[str]:
+    """A gateway serving on a free port; yields its base URL (`http://127.0.0.1:PORT/v1`)."""
+    stop = trio.Event()
+    config = GatewayConfig(node=node, port=0, model_name="tiny", **kwargs)
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(partial(serve_gateway, config, shutdown=stop))
+        try:
+            yield binds[0] + "/v1"
+        finally:
+            stop.set()
+
+
+async def node_text(node: str, prompt: str | list[int], max_new: int) -> tuple[str, int, int]:
+    """The node's own greedy generate: (text without end-of-generation tokens, prompt tokens, tokens made)."""
+    async with open_client(node) as client:
+        ids = prompt if isinstance(prompt, list) else await client.tokenize(prompt)
+        session = uuid.uuid4().hex
+        opened = await client.open(session, len(ids) + max_new)
+        eog = set(opened["stage"]["eog_tokens"])
+        out: list[int] = []
+        async for reply in client.generate_tokens(session, 0, ids, max_new):
+            if isinstance(reply, Generated):
+                out += [t for t in reply.tokens if t not in eog]
+            assert isinstance(reply, Generated | Done)
+        await client.close(session)
+        return await client.detokenize(out), len(ids), len(out)
+
+
+async def node_stats(node: str) -> dict[str, Any]:
+    async with open_client(node) as client:
+        return await client.stats()
+
+
+# -- pure pieces --------------------------------------------------------------------------
+
+
+def test_stop_text_holds_back_a_possible_start_and_cuts_at_the_stop() -> None:
+    stop = StopText(("END",))
+    assert stop.feed("abcE") == "abc"  # "E" could begin "END"
+    assert stop.feed("abcEN") == ""
+    assert stop.feed("abcENx") == "ENx"  # it did not
+    assert stop.feed("abcENxyEND and more") == "y"
+    assert stop.stopped
+    assert stop.text == "abcENxy"
+
+
+def test_stop_text_flush_releases_what_was_held() -> None:
+    stop = StopText(("\n\n", "###"))
+    assert stop.feed("line\n") == "line"
+    assert stop.flush() == "\n"
+    assert not stop.stopped
+
+
+def test_chat_template_renders_with_llama_cpp_globals_and_splits_special_tokens() -> None:
+    source = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+              "{% if add_generation_prompt %}<|assistant|>{% endif %}")  # fmt: skip
+    specials = SpecialTokens({"<s>": 1, "<|user|>": 5, "<|end|>": 6, "<|assistant|>": 7}, "<s>", "</s>", 1, True)
+    text = ChatTemplate(source, specials).render([{"role": "user", "content": "hi <|end"}])
+    assert text == "<s><|user|>hi <|end<|end|><|assistant|>"
+    assert specials.split(text) == [1, 5, "hi <|end", 6, 7]
+
+
+def test_chat_template_exceptions_are_reported() -> None:
+    template = ChatTemplate("{{ raise_exception('roles must alternate') }}", SpecialTokens({}, "", "", None, True))
+    with pytest.raises(ValueError, match="roles must alternate"):
+        template.render([{"role": "user", "content": "x"}])
+
+
+def test_a_model_without_a_template_gets_the_fallback(tiny_model: Path) -> None:
+    template = load_chat_template(tiny_model)
+    assert template.source == FALLBACK_TEMPLATE
+    assert template.specials.bos_id is not None and template.specials.bos  # read from the vocabulary's raw bytes
+    assert template.render([{"role": "user", "content": "hi"}]) == "user: hi\nassistant:"
+
+
+# -- against a node -----------------------------------------------------------------------
+
+
+async def test_greedy_completions_equal_the_nodes_own_generate(node: str) -> None:
+    expected, prompt_tokens, made = await node_text(node, PROMPT, 24)
+    async with gateway(node) as base:
+        client = openai.AsyncOpenAI(base_url=base, api_key="none")
+        full = await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0)
+        assert full.choices[0].text == expected
+        assert full.usage is not None
+        assert (full.usage.prompt_tokens, full.usage.completion_tokens) == (prompt_tokens, made)
+        assert full.choices[0].finish_reason == ("length" if made == 24 else "stop")
+
+        stream = await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True})  # fmt: skip
+        pieces, reasons, usage = [], [], None
+        async for chunk in stream:
+            if chunk.choices:
+                pieces.append(chunk.choices[0].text)
+                reasons.append(chunk.choices[0].finish_reason)
+            usage = chunk.usage or usage
+        assert "".join(pieces) == expected
+        assert reasons[-1] == full.choices[0].finish_reason and not any(reasons[:-1])
+        assert usage is not None and usage.completion_tokens == made
+
+
+async def test_sync_client_chat_streamed_and_not_equal_the_node_on_the_rendered_prompt(node: str) -> None:
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Tell me about the sea"}]
+    rendered = load_chat_template(None).render([dict(m) for m in messages])
+    expected, prompt_tokens, _ = await node_text(node, rendered, 16)
+    async with gateway(node) as base:
+
+        def chat() -> tuple[str, str, int]:
+            client = openai.OpenAI(base_url=base, api_key="none")
+            full = client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0)
+            parts = client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0,
+                                                   stream=True)  # fmt: skip
+            streamed = "".join(c.choices[0].delta.content or "" for c in parts if c.choices)
+            assert full.usage is not None
+            return full.choices[0].message.content or "", streamed, full.usage.prompt_tokens
+
+        full, streamed, prompt_used = await trio.to_thread.run_sync(chat)
+    assert full == streamed == expected
+    assert prompt_used == prompt_tokens
+
+
+async def test_stop_strings_cut_the_text_also_across_a_token_boundary(node: str) -> None:
+    prompt = "Once upon a time"  # the tiny model answers with single-character tokens among others
+    async with open_client(node) as client:
+        ids = await client.tokenize(prompt)
+        session = uuid.uuid4().hex
+        opened = await client.open(session, len(ids) + 24)
+        out: list[int] = []
+        async for reply in client.generate_tokens(session, 0, ids, 24):
+            if isinstance(reply, Generated):
+                out += [t for t in reply.tokens if t not in opened["stage"]["eog_tokens"]]
+        await client.close(session)
+        texts = [await client.detokenize(out[:k]) for k in range(len(out) + 1)]
+    full = texts[-1]
+
+    def printable_boundary(k: int) -> bool:
+        before, after = texts[k], texts[k + 1]
+        return (bool(before) and after.startswith(before) and len(after) > len(before)
+                and before[-1].isprintable() and before[-1] != "\ufffd" and after[len(before)].isprintable()
+                and after[len(before)] != "\ufffd" and "\ufffd" not in after[len(before):])  # fmt: skip
+
+    # The stop string is the last character of token k's text and the first of token k+1's:
+    # neither token alone holds it.
+    k = next(k for k in range(1, len(out) - 1) if printable_boundary(k))
+    stop = texts[k][-1] + texts[k + 1][len(texts[k])]
+    expected = full[: full.find(stop)]
+    print(f"stop {stop!r} spans tokens {k - 1} and {k}; expected {expected!r}")
+    async with gateway(node) as base:
+        client2 = openai.AsyncOpenAI(base_url=base, api_key="none")
+        for stream in (False, True):
+            body: dict[str, Any] = {"model": "tiny", "prompt": prompt, "max_tokens": 24, "temperature": 0,
+                                    "stop": ["never-in-this-text", stop]}  # fmt: skip
+            if stream:
+                chunks = await client2.completions.create(**body, stream=True)
+                got, reason = "", None
+                async for chunk in chunks:
+                    got += chunk.choices[0].text
+                    reason = chunk.choices[0].finish_reason or reason
+            else:
+                result = await client2.completions.create(**body)
+                got, reason = result.choices[0].text, result.choices[0].finish_reason
+            assert (got, reason) == (expected, "stop"), (stream, stop)
+
+
+async def test_errors_are_openai_shaped_with_http_status(node: str) -> None:
+    async with gateway(node) as base, httpx.AsyncClient(base_url=base) as http:
+        reply = await http.post("/completions", json={"prompt": "x", "n": 2})
+        assert reply.status_code == 400
+        assert reply.json()["error"]["param"] == "n"
+        assert set(reply.json()["error"]) == {"message", "type", "param", "code"}
+        reply = await http.post("/completions", content=b"{not json", headers={"Content-Type": "application/json"})
+        assert reply.status_code == 400 and "JSON" in reply.json()["error"]["message"]
+        reply = await http.post("/chat/completions", json={"messages": []})
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "messages"
+        reply = await http.post("/completions", json={"prompt": "x", "temperature": 9})
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "temperature"
+        reply = await http.post("/completions", json={"prompt": [1, 10**6]})  # a token outside the vocabulary
+        assert reply.status_code == 400
+        assert (await http.get("/models")).json()["data"][0]["id"] == "tiny"
+        assert (await http.get(base.removesuffix("/v1") + "/health")).json() == {"status": "ok"}
+        client = openai.AsyncOpenAI(base_url=base, api_key="none", max_retries=0)
+        with pytest.raises(openai.BadRequestError):
+            await client.completions.create(model="tiny", prompt="x", n=2)
+
+
+async def test_a_full_node_is_429_with_retry_after(tiny_model: Path) -> None:
+    proc = NodeProcess(tiny_model, f"tcp://127.0.0.1:{_free_port()}", ["--max-sessions", "1"])
+    with running(proc):
+        async with open_client(proc.address) as holder, gateway(proc.address) as base:
+            await holder.open("held", 16)
+            async with httpx.AsyncClient(base_url=base) as http:
+                reply = await http.post("/completions", json={"prompt": PROMPT, "max_tokens": 4})
+                assert reply.status_code == 429
+                assert int(reply.headers["Retry-After"]) >= 1
+                assert reply.json()["error"]["code"] == "session_limit"
+                streamed = await http.post("/completions", json={"prompt": PROMPT, "max_tokens": 4, "stream": True})
+                assert streamed.status_code == 429
+            await holder.close("held")
+            async with httpx.AsyncClient(base_url=base) as http:
+                assert (await http.post("/completions", json={"prompt": PROMPT, "max_tokens": 4})).status_code == 200
+
+
+async def test_a_node_with_nothing_listening_is_502() -> None:
+    async with (
+        gateway(f"tcp://127.0.0.1:{_free_port()}", timeout_s=0.5) as base,
+        httpx.AsyncClient(base_url=base) as http,
+    ):
+        reply = await http.post("/completions", json={"prompt": "hello", "max_tokens": 4})
+        assert reply.status_code == 502
+        assert reply.json()["error"]["code"] == "node_unreachable"
+        assert (await http.get(base.removesuffix("/v1") + "/health")).status_code == 503
+
+
+async def test_a_client_that_disconnects_mid_stream_leaves_no_session(node: str) -> None:
+    async with gateway(node) as base, httpx.AsyncClient(base_url=base, timeout=30) as http:
+        body = {"prompt": PROMPT, "max_tokens": 900, "temperature": 0, "stream": True, "ignore_eos": True}
+        async with http.stream("POST", "/completions", json=body) as reply:
+            assert reply.status_code == 200
+            async for line in reply.aiter_lines():
+                if line.startswith("data: {"):
+                    assert json.loads(line[6:])["choices"][0]["finish_reason"] is None
+                    break  # leave after the first text: the connection closes under the generation
+        stats: dict[str, Any] = {}
+        for _ in range(200):  # the gateway notices the disconnect, cancels and closes
+            stats = await node_stats(node)
+            if stats["sessions_active"] == 0:
+                break
+            await trio.sleep(0.05)
+        assert stats["sessions_active"] == 0 and stats["generations_active"] == 0
+
+
+async def test_metrics_count_requests_and_carry_the_nodes_stats(node: str) -> None:
+    async with gateway(node) as base, httpx.AsyncClient(base_url=base) as http:
+        await http.post("/completions", json={"prompt": PROMPT, "max_tokens": 2})
+        await http.post("/completions", json={"prompt": PROMPT, "n": 3})
+        text = (await http.get(base.removesuffix("/v1") + "/metrics")).text
+    assert 'neuron_tai_gateway_requests_total{endpoint="/v1/completions",status="200"} 1.0' in text
+    assert 'neuron_tai_gateway_requests_total{endpoint="/v1/completions",status="400"} 1.0' in text
+    assert "neuron_tai_gateway_request_seconds_count" in text
+    assert "neuron_tai_node_sessions_max 4.0" in text
+    assert "neuron_tai_gateway_node_up 1.0" in text
