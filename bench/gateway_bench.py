@@ -93,7 +93,9 @@ async def closed_loop(url: str, model: str, requests: list[Request], concurrency
         for req in pending:
             seen.append(await complete(http, url, model, req))
 
-    limits = httpx.Limits(max_connections=concurrency)
+    # A new connection per request, for every system alike: llama-server's HTTP library closes a
+    # kept-alive connection after a few requests, and a request racing that close fails.
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=600, limits=limits) as http:
         start = time.perf_counter()
         async with trio.open_nursery() as nursery:

@@ -18,7 +18,7 @@ from typing import Any
 
 import trio
 
-from bench.common import gemma_path, prompt_tokens, write_evidence
+from bench.common import gemma_path, prompt_tokens, shown, write_evidence
 from bench.engine_sweep import run_sessions
 from engine.engine import EngineConfig, open_engine
 from engine.llama_handles import extra_buffer_types
@@ -63,7 +63,7 @@ def main() -> int:
     path = write_evidence(
         "invariance_padding.json", {"steps": args.steps, "smallest_exact_pad": smallest, "results": results}
     )
-    print("smallest exact padding per path:", smallest, f"\nwrote {path}")
+    print("smallest exact padding per path:", smallest, f"\nwrote {shown(path)}")
     return 0
 
 

@@ -77,7 +77,7 @@ def main() -> int:
         print(json.dumps(measure(args.model, args.child, args.steps)), flush=True)
         return 0
 
-    from bench.common import gemma_path, write_evidence  # noqa: PLC0415
+    from bench.common import gemma_path, shown, write_evidence  # noqa: PLC0415
     from engine.kernels import choose_path, cpu_features  # noqa: PLC0415
     from engine.llama_handles import extra_buffer_types  # noqa: PLC0415
 
@@ -103,7 +103,7 @@ def main() -> int:
     path = write_evidence("kernel_paths.json", payload)
     for name, s in summary.items():
         print(f"{name:7s} {s.get('tok_s_median', s.get('crashed'))}")
-    print(f"wrote {path}")
+    print(f"wrote {shown(path)}")
     return 0
 
 
