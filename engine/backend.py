@@ -204,7 +204,9 @@ class StageBackend:
             raise Refused(ErrorCode.SESSION_LIMIT, f"all {self.ctx.n_seq_max} sequences are in use")
         sampler = None
         if self.info.last:
-            sampler = SamplerChain(sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed)
+            sampler = SamplerChain(
+                sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed, self.info.n_vocab
+            )
         self._seqs[free] = _Sequence(sampler=sampler)
         return free
 

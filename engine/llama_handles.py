@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import cast
 
 import llama_cpp as lc
+import numpy as np
 
 from engine.gguf_header import read_header
 from engine.kernels import (
@@ -291,9 +292,10 @@ class SamplerChain:
     are idempotent) and a rewound session resamples exactly as a fresh one.
     """
 
-    def __init__(self, temperature: float, top_k: int, top_p: float, seed: int) -> None:
+    def __init__(self, temperature: float, top_k: int, top_p: float, seed: int, n_vocab: int) -> None:
         self.greedy = temperature <= 0.0
         self.seed = seed
+        self.n_vocab = n_vocab
         self._ptr: lc.llama_sampler_p | None = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
         if self.greedy:
             lc.llama_sampler_chain_add(self._ptr, lc.llama_sampler_init_greedy())
@@ -309,10 +311,13 @@ class SamplerChain:
         """Sample from batch row `row` of the last decode; `pos` is the sampled token's position."""
         if self._ptr is None:
             raise RuntimeError("sampler is closed")
-        if not self.greedy:
-            last = lc.llama_sampler_chain_n(self._ptr) - 1
-            lc.llama_sampler_free(lc.llama_sampler_chain_remove(self._ptr, last))
-            lc.llama_sampler_chain_add(self._ptr, lc.llama_sampler_init_dist(_mix(self.seed, pos)))
+        if self.greedy:
+            # The first largest logit, as llama.cpp's greedy sampler picks it, without copying the
+            # whole vocabulary into a candidate array first (2.5 ms a token at 262k entries).
+            return int(np.argmax(np.ctypeslib.as_array(ctx.logits_row(row), shape=(self.n_vocab,))))
+        last = lc.llama_sampler_chain_n(self._ptr) - 1
+        lc.llama_sampler_free(lc.llama_sampler_chain_remove(self._ptr, last))
+        lc.llama_sampler_chain_add(self._ptr, lc.llama_sampler_init_dist(_mix(self.seed, pos)))
         return int(lc.llama_sampler_sample(self._ptr, ctx.ptr, row))
 
     def close(self) -> None:

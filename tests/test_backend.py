@@ -337,3 +337,22 @@ def test_quantized_tiny_models_must_fit_the_blocks(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="quant must be one of"):
         write_tiny_model(tmp_path / "x.gguf", TinySpec(quant="q3_k_s"))
     assert not list(tmp_path.iterdir())
+
+
+def test_greedy_sampling_picks_what_llama_cpps_greedy_sampler_picks(
+    tiny_quant: Path, open_backend: OpenBackend
+) -> None:
+    """The greedy path takes the argmax of the logits row itself; llama.cpp's sampler must agree."""
+    import llama_cpp as lc  # noqa: PLC0415
+
+    backend = open_backend(tiny_quant)
+    seqs = [backend.open_sequence() for _ in range(4)]
+    rng = np.random.default_rng(3)
+    segs = [Segment(s, 0, tokens=rng.integers(3, 200, 5, dtype=np.int32), output=Output.TOKEN) for s in seqs]
+    ours = [r.token for r in backend.decode(segs)]
+    reference = lc.llama_sampler_init_greedy()
+    try:
+        theirs = [int(lc.llama_sampler_sample(reference, backend.ctx.ptr, 5 * i + 4)) for i in range(4)]
+    finally:
+        lc.llama_sampler_free(reference)
+    assert ours == theirs and len(set(ours)) > 1
