@@ -220,7 +220,7 @@ def main() -> int:
         "engine_sweep.json",
         {
             "model": model.name,
-            "config": {k: str(getattr(cfg, k)) for k in cfg.__dataclass_fields__},
+            "config": {k: shown(str(getattr(cfg, k))) for k in cfg.__dataclass_fields__},
             "steps": args.steps,
             "reps": args.reps,
             **out,
