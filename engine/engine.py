@@ -28,7 +28,7 @@ from typing import Any, cast
 import numpy as np
 import trio
 
-from engine.backend import KV_TYPES, ContextConfig, DecodeFailed, Segment, SegmentResult, StageBackend
+from engine.backend import KV_TYPES, ContextConfig, DecodeFailed, DecodeOutcome, Segment, SegmentResult, StageBackend
 from engine.budgets import BudgetError, Budgets, KvShape, Limits, kv_layout
 from engine.compute_thread import ComputeThread
 from engine.gguf_facts import ModelFacts, read_facts
@@ -53,6 +53,7 @@ from engine.pacing import PrefillPace
 from engine.scheduler import (
     INVARIANT_MAX_ROWS,
     Call,
+    Chunk,
     Plan,
     Rejection,
     Scheduler,
@@ -600,7 +601,14 @@ class Engine:
         started = time.perf_counter()
         try:
             results = await self.compute.run(self._decode_in_thread, segments)
-        except (DecodeFailed, Refused, RuntimeError, ValueError) as exc:
+        except DecodeFailed as exc:
+            if exc.outcome is DecodeOutcome.NO_KV_SLOT:
+                await self._no_kv_slot(plan)
+                return
+            log.error("batch failed: %s", exc)
+            self._fail(plan, str(exc))
+            return
+        except (Refused, RuntimeError, ValueError) as exc:
             log.error("batch failed: %s", exc)
             self._fail(plan, str(exc))
             return
@@ -647,12 +655,40 @@ class Engine:
             hidden = work.hidden[0] if len(work.hidden) == 1 else np.concatenate(work.hidden)
         return StepDone(req.session, req.pos, req.n, req.out, hidden, last.logits, last.token)
 
-    def _fail(self, plan: Plan, message: str) -> None:
+    async def _no_kv_slot(self, plan: Plan) -> None:
+        """llama.cpp found no contiguous KV slot for the call (it wrote nothing): a transient outcome.
+
+        A call of several chunks runs again as two smaller calls, which need smaller slots
+        (not in batch-invariant mode, whose batch shapes are fixed); a step that still finds
+        no slot alone is answered `busy`, its session rolled back to where the step began.
+        """
+        self.telemetry.no_kv_slot_total += 1
+        call = plan.calls[0]
+        if len(call.chunks) > 1 and not self.config.batch_invariant:
+            half = len(call.chunks) // 2
+            for part in (call.chunks[:half], call.chunks[half:]):
+                live = tuple(c for c in part if self._still_planned(c))
+                if live:
+                    await self._execute(Plan(plan.iteration, (Call(live),)))
+            return
+        self._fail(plan, "llama.cpp found no KV slot for this step; retry", ErrorCode.BUSY)
+
+    def _still_planned(self, chunk: Chunk) -> bool:
+        """Whether a chunk's step is still waiting for it (an earlier part may have failed the step)."""
+        session = self.scheduler.sessions.get(chunk.key)
+        step = None if session is None else session.step
+        return step is not None and step.pos + step.done == chunk.pos
+
+    def _fail(self, plan: Plan, message: str, code: ErrorCode = ErrorCode.INTERNAL) -> None:
+        retry = self.scheduler.busy_retry_ms() if code is ErrorCode.BUSY else None
         for step in self.scheduler.fail(plan):
             session = self.scheduler.sessions[step.key]
             work: _Work = step.payload  # type: ignore[assignment]
             if self.backend.can_rewind(session.seq, step.pos):
                 self.backend.rewind(session.seq, step.pos)
+                if code is ErrorCode.BUSY:
+                    work.reply.answer(self._count(Failure(code, message, retry)))
+                    continue
                 work.reply.answer(
                     self._count(Failure(ErrorCode.INTERNAL, f"the backend failed; session rolled back: {message}"))
                 )
@@ -722,6 +758,7 @@ class Engine:
             "errors_total": dict(t.errors),
             "linger_seconds_total": round(t.linger_seconds_total, 4),
             "late_sessions_total": t.late_sessions_total,
+            "decode_no_kv_slot_total": t.no_kv_slot_total,
             "cleanups_total": t.cleanups_total,
             "cleanups_pending": len(self._cleanups),
             "draining": self.draining,

@@ -70,6 +70,7 @@ class Telemetry:
     linger_seconds_total: float = 0.0  # waiting for answered sessions' next steps
     late_sessions_total: int = 0  # answered sessions whose next step missed the next batch
     cleanups_total: int = 0  # close/rollback/gone-connection requests taken on the cleanup path
+    no_kv_slot_total: int = 0  # llama_decode calls that found no KV slot (retried split, or `busy`)
     prefill_tokens_total: int = 0
     decode_tokens_total: int = 0
     prefill_window: RateWindow = field(default_factory=RateWindow)

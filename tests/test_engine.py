@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 import trio
 
-from engine.backend import ContextConfig, StageBackend
+from engine.backend import ContextConfig, DecodeFailed, DecodeOutcome, Segment, SegmentResult, StageBackend
 from engine.budgets import BudgetError, Limits
 from engine.engine import Engine, EngineConfig, open_engine
 from engine.kernels import INVARIANT_PAD_ROWS
@@ -27,6 +28,7 @@ from engine.messages import (
     StepRequest,
 )
 from engine.sampling import SamplingParams
+from protocol.errors import ErrorCode
 
 
 def config(model: Path, **overrides: Any) -> EngineConfig:
@@ -487,3 +489,56 @@ async def test_a_group_runs_without_the_absent_members_of_another(
             assert isinstance(await engine.request(StepRequest("c", "b", pos, Output.TOKEN, tokens([7]))), StepDone)
         assert engine.stats()["late_sessions_total"] == late
         assert engine.stats()["micro_batches"] == micro_batches
+
+
+def no_kv_slot_for(engine: Engine, fails: Callable[[list[Segment]], bool]) -> list[int]:
+    """Make llama_decode answer 1 (no KV slot; nothing written) for the calls `fails` picks.
+
+    Returns the segment counts of every call the backend was asked to run.
+    """
+    real, calls = engine.backend.decode, []
+
+    def decode(segments: list[Segment]) -> list[SegmentResult]:
+        calls.append(len(segments))
+        if fails(segments):
+            raise DecodeFailed(DecodeOutcome.NO_KV_SLOT, 1)
+        return real(segments)
+
+    engine.backend.decode = decode  # type: ignore[method-assign,assignment]
+    return calls
+
+
+async def test_no_kv_slot_splits_the_call_and_every_session_gets_its_tokens(tiny_model: Path) -> None:
+    prompts = {f"s{i}": prompt(i, 4 + 3 * i) for i in range(4)}
+    solo = {}
+    async with open_engine(config(tiny_model)) as engine:
+        for name, ids in prompts.items():
+            solo[name] = await generate(engine, name, ids, 12)
+    together: dict[str, list[int]] = {}
+    async with open_engine(config(tiny_model)) as engine:
+        calls = no_kv_slot_for(engine, lambda segments: len(segments) > 1)
+
+        async def one(name: str) -> None:
+            together[name] = await generate(engine, name, prompts[name], 12)
+
+        async with trio.open_nursery() as nursery:
+            for name in prompts:
+                nursery.start_soon(one, name)
+        stats = engine.stats()
+    assert together == solo
+    assert any(n > 1 for n in calls), "several sessions met in one call, which failed"
+    assert stats["decode_no_kv_slot_total"] > 0 and not stats["errors_total"].get("internal")
+
+
+async def test_a_step_that_finds_no_kv_slot_alone_is_busy_and_changes_nothing(tiny_model: Path) -> None:
+    async with open_engine(config(tiny_model)) as engine:
+        await engine.request(OpenRequest("c", "s", 64))
+        first = await engine.request(StepRequest("c", "s", 0, Output.TOKEN, tokens=tokens(prompt(1, 6))))
+        assert isinstance(first, StepDone)
+        real = engine.backend.decode
+        no_kv_slot_for(engine, lambda _segments: True)
+        refused = await engine.request(StepRequest("c", "s", 6, Output.TOKEN, tokens=tokens([5])))
+        assert isinstance(refused, Failure) and refused.code == ErrorCode.BUSY and refused.retry_after_ms
+        engine.backend.decode = real  # type: ignore[method-assign]
+        again = await engine.request(StepRequest("c", "s", 6, Output.TOKEN, tokens=tokens([5])))
+        assert isinstance(again, StepDone) and engine.stats()["kv_cells_used"] == 7
