@@ -14,7 +14,6 @@ Prints `ready HOST:PORT` once it accepts connections.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import signal
 import sys
 
@@ -69,13 +68,19 @@ async def _relay(client: trio.SocketStream, target: tuple[str, int], delay_s: fl
 
 
 async def serve(listen: tuple[str, int], target: tuple[str, int], delay_s: float) -> None:
-    listeners = await trio.open_tcp_listeners(listen[1], host=listen[0])
-    print(f"ready {listen[0]}:{listen[1]} -> {target[0]}:{target[1]} delay {delay_s * 1e3:g} ms", flush=True)
-
     async def handler(stream: trio.SocketStream) -> None:
         await _relay(stream, target, delay_s)
 
-    await trio.serve_listeners(handler, listeners)  # type: ignore[arg-type]
+    # Stopped by the bench with SIGTERM (or Ctrl-C): every relay ends at its next checkpoint and
+    # the proxy exits 0. The receiver is in place before `ready`, so no signal finds it without one.
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        listeners = await trio.open_tcp_listeners(listen[1], host=listen[0])
+        print(f"ready {listen[0]}:{listen[1]} -> {target[0]}:{target[1]} delay {delay_s * 1e3:g} ms", flush=True)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trio.serve_listeners, handler, listeners)
+            async for _ in signals:
+                nursery.cancel_scope.cancel()
+                break
 
 
 def main() -> int:
@@ -86,9 +91,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.delay_ms < 0:
         parser.error("--delay-ms must be 0 or more")
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stopped by the bench: a clean exit
-    with contextlib.suppress(KeyboardInterrupt):
-        trio.run(serve, args.listen, args.to, args.delay_ms / 1e3)
+    trio.run(serve, args.listen, args.to, args.delay_ms / 1e3)
     return 0
 
 
