@@ -9,9 +9,9 @@ unless the run feeds forced tokens or reads logits, which take one step per toke
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from contextlib import aclosing
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -39,6 +39,7 @@ class GeneratingClient(SessionClient, Protocol):
     ) -> AsyncGenerator[Generated | Done, None]: ...
 
 
+R = TypeVar("R")
 WAIT_MS = 120_000  # opens beyond the node's session limit wait for room rather than fail
 
 
@@ -76,16 +77,8 @@ async def generate(
     except NodeError as exc:
         raise OpenRefused(exc.code, str(exc)) from exc
     if isinstance(client, GeneratingClient) and forced is None and on_logits is None:
-        try:  # the node runs the token loop: no round trip per token
-            while True:
-                try:
-                    await _generate_on_node(client, req, session, trace)
-                    break
-                except NodeError as exc:  # refused before its first token: nothing ran, send it again
-                    if exc.code != "busy" or busy is None or trace.tokens:
-                        raise
-                    busy.append(exc.retry_after_ms or 0)
-                    await trio.sleep(max(exc.retry_after_ms or 0, 1) / 1000)
+        try:  # the node runs the token loop: no round trip per token; resent only if refused before a token
+            await _retry_busy(lambda: _generate_on_node(client, req, session, trace), busy, lambda: not trace.tokens)
         finally:
             await client.close_on_exit(session)
         return trace
@@ -123,11 +116,19 @@ async def _generate_on_node(client: GeneratingClient, req: Request, session: str
 async def _step(
     client: SessionClient, session: str, pos: int, tokens: list[int], out: str, busy: list[int] | None
 ) -> StepReply:
+    return await _retry_busy(lambda: client.step(session, pos, tokens=tokens, out=out), busy)
+
+
+async def _retry_busy(
+    attempt: Callable[[], Awaitable[R]], busy: list[int] | None, resendable: Callable[[], bool] = lambda: True
+) -> R:
+    """`attempt()`, made again after the node's `retry_after_ms` while it answers `busy` (each one
+    appended to `busy`; without that list, or once `resendable()` is false, `busy` is raised)."""
     while True:
         try:
-            return await client.step(session, pos, tokens=tokens, out=out)
+            return await attempt()
         except NodeError as exc:
-            if exc.code != "busy" or busy is None:
+            if exc.code != "busy" or busy is None or not resendable():
                 raise
             busy.append(exc.retry_after_ms or 0)
             await trio.sleep(max(exc.retry_after_ms or 0, 1) / 1000)

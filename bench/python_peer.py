@@ -22,7 +22,7 @@ from engine.llama_handles import (
     capture_llama_log,
     ensure_backend,
     extra_buffer_types,
-    weight_buffers_from_log,
+    logged_buffers,
     weight_placement,
 )
 
@@ -75,7 +75,7 @@ def open_llama(model: Path, n_ctx: int, n_threads: int) -> PythonPeer:
     with _placed_default_params(placement) as table, capture_llama_log() as lines:
         # Flash attention on, as the node resolves `auto` on this CPU: the same attention kernel.
         llm = Llama(str(model), n_ctx=n_ctx, n_batch=512, n_threads=n_threads, flash_attn=True, verbose=False)
-    buffers = weight_buffers_from_log(lines)
+    buffers = logged_buffers(lines)
     path = path_of_buffers(buffers)
     if path is KernelPath.AMX:
         llm.close()

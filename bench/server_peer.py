@@ -13,7 +13,7 @@ from pathlib import Path
 from bench.latency import Trace
 from bench.workload import Request
 from engine.kernels import KernelPath, Placement, path_of_buffers
-from engine.llama_handles import weight_buffers_from_log
+from engine.llama_handles import logged_buffers
 
 
 def kernel_args(placement: Placement) -> list[str]:
@@ -37,7 +37,7 @@ def server_command(
 
 def weight_buffers(log: Path) -> tuple[KernelPath, dict[str, int]]:
     """The kernel path llama-server's weights are on, from its own log (`<type> model buffer size = x MiB`)."""
-    buffers = weight_buffers_from_log(log.read_text(errors="replace").splitlines())
+    buffers = logged_buffers(log.read_text(errors="replace").splitlines())
     return path_of_buffers(buffers), buffers
 
 

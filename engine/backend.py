@@ -24,7 +24,7 @@ from engine.batch_buffer import BatchBuffer
 from engine.gguf_facts import KEY_LAYER_START, KEY_SOURCE_BLOCKS, KEY_SOURCE_MODEL
 from engine.hidden_capture import HiddenCapture
 from engine.kernels import KERNEL_CHOICES
-from engine.llama_handles import LlamaContext, LlamaModel, SamplerChain, capture_llama_log
+from engine.llama_handles import LlamaContext, LlamaModel, SamplerChain, capture_llama_log, logged_buffers
 from engine.messages import Output, Refused
 from engine.sampling import GREEDY, SamplingParams
 from protocol.errors import ErrorCode
@@ -95,11 +95,6 @@ def context_params(config: ContextConfig) -> lc.llama_context_params:
         params.flash_attn_type = int(config.flash_attn)  # LLAMA_FLASH_ATTN_TYPE_{DISABLED,ENABLED}
     params.no_perf = True
     return params
-
-
-def _logged_mib(line: str) -> int:
-    """Bytes from a llama.cpp log line ending in '= <x> MiB'."""
-    return int(float(line.rsplit("=", 1)[1].split(maxsplit=1)[0]) * 2**20)
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,7 +184,7 @@ class StageBackend:
     @property
     def compute_buffer_bytes(self) -> int:
         """llama.cpp's compute buffer for this context, as it logged it at creation."""
-        return sum(_logged_mib(line) for line in self.context_log if "compute buffer size" in line)
+        return sum(logged_buffers(self.context_log, "compute").values())
 
     def output_buffer_bytes(self, output_rows: int) -> int:
         """The logits buffer llama.cpp grows to when a batch asks for `output_rows` outputs."""

@@ -32,7 +32,7 @@ from engine.backend import KV_TYPES, ContextConfig, DecodeFailed, DecodeOutcome,
 from engine.budgets import BudgetError, Budgets, KvShape, Limits, kv_layout
 from engine.compute_thread import ComputeThread
 from engine.gguf_facts import ModelFacts, read_facts
-from engine.kernels import invariant_pad_rows
+from engine.kernels import INVARIANT_PAD_ROWS
 from engine.messages import (
     Cleanup,
     Closed,
@@ -209,7 +209,7 @@ class Engine:
         self.compute = compute
         self.backend = backend
         self.info = backend.info
-        self.pad_rows = config.pad_rows or invariant_pad_rows(backend.model.kernel_path.value)
+        self.pad_rows = config.pad_rows or INVARIANT_PAD_ROWS[backend.model.kernel_path.value]
         pad_reserve = self.pad_rows if config.batch_invariant else 0
         invariant_rows = [INVARIANT_MAX_ROWS] if config.batch_invariant else []  # prefill chunks stay below the tile
         self.scheduler = Scheduler(

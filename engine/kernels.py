@@ -62,10 +62,6 @@ KERNEL_CHOICES = ("auto", *(p.value for p in KernelPath))
 INVARIANT_PAD_ROWS = {"repack": 8, "plain": 8, "amx": 8}
 
 
-def invariant_pad_rows(path: str) -> int:
-    return INVARIANT_PAD_ROWS[path]
-
-
 class KernelChoiceError(ValueError):
     """The requested path is not available in this llama.cpp library."""
 

@@ -134,11 +134,12 @@ def extra_buffer_types() -> dict[str, int]:
     return out
 
 
-def weight_buffers_from_log(lines: list[str]) -> dict[str, int]:
-    """Bytes of weights per buffer type, from llama.cpp's load log (`<type> model buffer size = <x> MiB`)."""
+def logged_buffers(lines: list[str], kind: str = "model") -> dict[str, int]:
+    """Bytes per buffer type from llama.cpp's log lines `<type> <kind> buffer size = <x> MiB`
+    (kind "model": where the weights went; "compute": the scratch it allocated)."""
     out: dict[str, int] = {}
     for line in lines:
-        match = re.search(r"(\S+) model buffer size\s*=\s*([0-9.]+) MiB", line)
+        match = re.search(rf"(\S+) {kind} buffer size\s*=\s*([0-9.]+) MiB", line)
         if match:
             out[match.group(1)] = out.get(match.group(1), 0) + int(float(match.group(2)) * 2**20)
     return out
@@ -180,7 +181,7 @@ class LlamaModel:
             raise ValueError(f"{path}: llama.cpp could not load this model")
         self._ptr = ptr
         self._overrides = overrides  # llama.cpp may read the override table for the model's lifetime
-        self.weight_buffers = weight_buffers_from_log(lines)
+        self.weight_buffers = logged_buffers(lines)
         self.kernel_path = path_of_buffers(self.weight_buffers)
         if self.kernel_path is KernelPath.AMX and self.placement.path is not KernelPath.AMX:
             self.close()
