@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 import trio
 
-from bench.common import WORK, gemma_path, shown
+from bench.common import WORK, command_line, gemma_path, shown
 from bench.latency import percentile_ms
 from bench.llama_server import cached_binary, ensure_llama_server
 from bench.processes import Processes, free_ports, node_ready, open_processes
@@ -198,7 +198,8 @@ def main() -> int:
                       f"{row['ttft_p99_ms']} ms  ITL p50/p99 {row['itl_p50_ms']}/{row['itl_p99_ms']} ms",
                       flush=True)  # fmt: skip
     out.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"model": shown(model), "plan": asdict(plan), "results": results}
+    payload = {"command": command_line(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "model": shown(model),
+               "plan": asdict(plan), "results": results}  # fmt: skip
     out.write_text(json.dumps(payload, indent=2, default=str) + "\n")
     print(f"wrote {shown(out)}")
     return 0

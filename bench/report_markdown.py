@@ -44,8 +44,8 @@ def render(r: dict[str, Any]) -> str:
     systems = [s for s in ALL if s in tok]
     quick = plan["mode"] == "quick"
     parts = [_head(r, quick), _systems(r), _throughput(r, tok, systems, cs), _latency(r, cs), _corruption(r),
-             _default_mode(r), _admission(r), _telemetry(r), _compatibility(r), _limitations(r, tok),
-             _next_step(r)]  # fmt: skip
+             _default_mode(r), _admission(r), _telemetry(r), _pipeline(r), _gateway(r), _compatibility(r),
+             _limitations(r, tok), _next_step(r)]  # fmt: skip
     return "\n\n".join(p for p in parts if p) + "\n"
 
 
@@ -70,7 +70,8 @@ Every figure below is read from `bench.json` of that run. Nothing here is typed 
   (`telemetry`), the corruption checks (`invariant`, with `mismatches`), default-mode
   agreement and teacher-forced logits (`default_mode`), the burst (`admission`), `saturation`,
   each system's kernel path and weight buffers (`systems`), the CPU (`cpu`, `extra_buffer_types`)
-  and any process that crashed, with its log's last lines (`crashes`).
+  and any process that crashed, with its log's last lines (`crashes`); in a full run, the
+  gateway and pipeline parts that `just bench` runs after the report (`gateway`, `pipeline`).
 - `throughput.png`: aggregate tok/s against concurrency, every system.
 - `latency.png`: TTFT and inter-token latency p50/p99 against concurrency.
 - `telemetry.png`: queue depth, batch occupancy and KV pressure over the sweep, sampled from `stats`.
@@ -324,6 +325,64 @@ On the single node: queue depth peaked at {peak_q} steps, waiting opens at {peak
 call between samples over the 8-session limit.
 
 ![telemetry](telemetry.png)"""
+
+
+def _pipeline(r: dict[str, Any]) -> str:
+    """The pipeline figures (bench.pipeline_evidence), where `just bench` attached them."""
+    p = r.get("pipeline")
+    if p is None:
+        return ""
+    versus = [[str(x["concurrency"]), x["node_tok_s"], x["llama_server_tok_s"], f"{x['ratio']:.2f}"]
+              for x in p["generate_vs_llama_server"]]  # fmt: skip
+    scale = [[str(x["concurrency"]), x["chain_tok_s"], x["one_core_tok_s"], f"{x['efficiency']:.2f}"]
+             for x in p["scale_out"]]  # fmt: skip
+    latency = [[f"{x['delay_ms']} ms", str(x["concurrency"]), x["tok_s"], x["itl_p50_ms"], x["itl_p99_ms"]]
+               for x in p["latency"]]  # fmt: skip
+    return "\n".join(["## Pipeline: server-side generation, scale-out, latency tolerance", "",
+                      f"From `evidence/pipeline.json` of the same `just bench` (`{p['command']}`, commit "
+                      f"`{str(p.get('commit'))[:12]}`). `generate` against llama-server is this report's own "
+                      "sweep above; scale-out and latency come from the multi-host part: "
+                      f"{p['topology']}; each stage pinned to its own core with one thread.", "",
+                      "### `generate` on a single node against `llama-server -np 8`", "",
+                      _table(["c", "node tok/s", "llama-server tok/s", "ratio"], versus), "",
+                      "### Scale-out: 2-stage chain (one core per stage) against one node on one core", "",
+                      "Efficiency = chain tok/s / (2 x one-core node tok/s).", "",
+                      _table(["c", "chain tok/s", "one-core node tok/s", "efficiency"], scale), "",
+                      "### Latency tolerance: the chain with delay added one way on each link", "",
+                      _table(["added delay", "c", "tok/s", "ITL p50", "ITL p99"], latency), "",
+                      f"Bit-exact mismatches in the proofs (batch-invariant nodes, `generate`, the pipelined "
+                      f"chain): **{p['mismatches']}**."])  # fmt: skip
+
+
+def _gateway(r: dict[str, Any]) -> str:
+    """The OpenAI gateway against llama-server's OpenAI endpoint (bench.gateway_bench), where attached."""
+    g = r.get("gateway")
+    if g is None:
+        return ""
+    results: dict[str, list[dict[str, Any]]] = g["results"]
+    rows = [[system, str(x["concurrency"]), x["tok_s"], x["ttft_p50_ms"], x["ttft_p99_ms"], x["itl_p50_ms"],
+             x["itl_p99_ms"]] for system, xs in results.items() for x in xs]  # fmt: skip
+    server = next((xs for system, xs in results.items() if system.startswith("llama-server")), None)
+    ratios = []
+    if server is not None:
+        base = {x["concurrency"]: x["tok_s"] for x in server}
+        for system, xs in results.items():
+            if xs is not server:
+                ratios.append([f"{system} / llama-server",
+                               *[_ratio(x["tok_s"], base.get(x["concurrency"])) for x in xs]])  # fmt: skip
+    cs = [str(x["concurrency"]) for x in next(iter(results.values()), [])]
+    plan = g["plan"]
+    command = g.get("command", "python -m bench.gateway_bench")
+    out = ["## OpenAI gateway against llama-server's OpenAI endpoint", "",
+           f"From `evidence/gateway.json` of the same `just bench` (`{command}`). Every system gets the same "
+           f"{plan['requests']} requests (token-id prompts up to {plan['max_prompt']} tokens, "
+           f"{plan['max_new']} tokens each, greedy, end-of-text ignored) through `POST /v1/completions` "
+           "with `stream: true`, from concurrent clients in a closed loop, a new HTTP connection per request. "
+           "Aggregate tok/s counts completion tokens over wall time; TTFT is the first streamed text.", "",
+           _table(["system", "c", "tok/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99"], rows)]  # fmt: skip
+    if ratios:
+        out += ["", _table(["tok/s ratio", *[f"c={c}" for c in cs]], ratios)]
+    return "\n".join(out)
 
 
 def _compatibility(r: dict[str, Any]) -> str:

@@ -1,0 +1,52 @@
+"""Fold the full run's later parts into the DGR-012 report, so one README holds every comparison.
+
+`just bench` runs the report first, then the parts with their own processes: the OpenAI
+gateway against llama-server's OpenAI endpoint (bench.gateway_bench) and the pipeline
+figures (bench.pipeline_evidence: `generate` against llama-server, scale-out across
+namespaces, latency tolerance). This copies their JSON into the report's `bench.json` under
+`gateway` and `pipeline` and redraws its README. A part that is missing is left out.
+
+    python -m bench.attach [--report-dir DIR] [--gateway FILE] [--pipeline FILE]   # defaults: evidence/
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from bench import report_markdown
+from bench.common import EVIDENCE, shown
+
+
+def attach(report: dict[str, Any], parts: dict[str, Path]) -> list[str]:
+    """Put each existing part's JSON into `report` under its name; the names attached."""
+    done = []
+    for name, path in parts.items():
+        if path.exists():
+            report[name] = json.loads(path.read_text())
+            done.append(name)
+        else:
+            report.pop(name, None)
+    return done
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--report-dir", type=Path, default=EVIDENCE / "DGR-012")
+    parser.add_argument("--gateway", type=Path, default=EVIDENCE / "gateway.json")
+    parser.add_argument("--pipeline", type=Path, default=EVIDENCE / "pipeline.json")
+    args = parser.parse_args()
+    path = args.report_dir / "bench.json"
+    report = json.loads(path.read_text())
+    done = attach(report, {"gateway": args.gateway, "pipeline": args.pipeline})
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    (args.report_dir / "README.md").write_text(report_markdown.render(report))
+    print(f"attached {', '.join(done) or 'nothing'} to {shown(args.report_dir)}/bench.json and README.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
