@@ -68,6 +68,24 @@ def test_quick_bench_reports_every_system_and_proves_sessions_never_mix(tmp_path
     for text in (readme, (out / "bench.json").read_text()):  # evidence names no directory of this machine
         assert str(ROOT) not in text and str(Path.home()) + "/" not in text
 
+    # The full run's later parts fold into the same report (here the committed evidence of one).
+    evidence = ROOT / "evidence"
+    attach = [sys.executable, "-m", "bench.attach", "--report-dir", str(out), "--gateway",
+              str(evidence / "gateway.json"), "--pipeline", str(evidence / "pipeline.json")]  # fmt: skip
+    subprocess.run(attach, cwd=ROOT, check=True, capture_output=True, timeout=120)
+    attached = json.loads((out / "bench.json").read_text())
+    assert attached["runs"] == report["runs"] and {"gateway", "pipeline"} <= attached.keys()
+    readme = (out / "README.md").read_text()
+    gateway = json.loads((evidence / "gateway.json").read_text())["results"]
+    assert "## OpenAI gateway against llama-server's OpenAI endpoint" in readme
+    assert all(f"| {system} | {row['concurrency']} |" in readme for system, rows in gateway.items() for row in rows)
+    assert "## Pipeline: server-side generation, scale-out, latency tolerance" in readme
+    missing = out / "absent.json"
+    subprocess.run([*attach[:-4], "--gateway", str(missing), "--pipeline", str(missing)], cwd=ROOT, check=True,
+                   capture_output=True, timeout=120)  # fmt: skip
+    assert "## OpenAI gateway" not in (out / "README.md").read_text()
+    assert "gateway" not in json.loads((out / "bench.json").read_text())
+
 
 def test_bench_reports_a_crashed_node_and_still_writes_the_rest(tmp_path: Path) -> None:
     # chain2-tail segfaults while loading; the prefill-share node is sent SIGSEGV as its c=2 run begins.
