@@ -31,6 +31,7 @@ bench mode="full": bench-setup
     if [ "{{mode}}" = full ] && [ "$status" != 130 ]; then \
         {{py}} -m bench.kernel_paths --reps 3 || status=1; \
         {{py}} -m bench.curve_cost --reps 3 || status=1; \
+        {{py}} -m bench.stage_cost --reps 3 || status=1; \
         {{py}} -m bench.multihost --out evidence/multihost.json || status=1; \
         {{py}} -m bench.gateway_bench --out evidence/gateway.json || status=1; \
         {{py}} -m bench.pipeline_evidence || status=1; \

@@ -32,10 +32,9 @@ from bench.llama_server import cached_binary, ensure_llama_server
 from bench.processes import Processes, free_ports, node_ready, open_processes
 from bench.server_peer import healthy, server_command
 from bench.workload import CORPUS, Request, make_requests
-from engine.gguf_facts import read_facts
 from engine.llama_handles import weight_placement
 from neuron_tai.client import open_client
-from neuron_tai.shard import stage_bounds, write_stages
+from neuron_tai.shard import weight_balanced_bounds, write_stages
 from neuron_tai.testmodel import write_tiny_model
 
 SLOTS = 8  # node sessions and llama-server slots
@@ -129,8 +128,7 @@ def model_for(quick: bool) -> Path:
 
 def start(procs: Processes, model: Path, plan: Plan, quick: bool) -> tuple[dict[str, str], str]:
     """Nodes, a gateway in front of each, and llama-server: ({system name: completions URL}, the single node)."""
-    blocks = read_facts(model).block_count
-    shards = write_stages(model, WORK / "shards-gateway" / model.stem, stage_bounds(blocks, stages=2))
+    shards = write_stages(model, WORK / "shards-gateway" / model.stem, weight_balanced_bounds(model, 2))
     p = free_ports(6)
     limits = ["--max-sessions", str(SLOTS), "--max-waiting", "64", "--kv-cells", str(plan.kv_cells),
               "--log-level", "warning"]  # fmt: skip

@@ -42,8 +42,7 @@ from bench.common import WORK, command_line, gemma_path, shown, table
 from bench.interrupts import interrupt_on_signals
 from bench.netns import Topology, open_topology
 from bench.processes import Processes, node_ready, open_processes
-from engine.gguf_facts import read_facts
-from neuron_tai.shard import write_stages
+from neuron_tai.shard import weight_balanced_bounds, write_stages
 from neuron_tai.testmodel import write_tiny_model
 
 HOSTS = ("client", "s0", "s1")
@@ -88,9 +87,7 @@ def models(plan: Plan, work: Path) -> tuple[Path, list[Path]]:
             write_tiny_model(model)
     else:
         model = gemma_path()
-    n = read_facts(model).block_count
-    half = round(n / 2)
-    return model, write_stages(model, work / "shards", [(0, half), (half, n)])
+    return model, write_stages(model, work / "shards", weight_balanced_bounds(model, 2))
 
 
 class Cluster:

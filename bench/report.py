@@ -51,7 +51,6 @@ from bench.systems import ALL, BARE, CHAIN, NODE_FAST, PYTHON, SERVER
 from bench.systems import NODE as SINGLE
 from bench.workload import CORPUS, Request, make_requests
 from engine.backend import ContextConfig
-from engine.gguf_facts import read_facts
 from engine.llama_handles import weight_placement
 from neuron_tai.client import open_client
 from neuron_tai.testmodel import write_tiny_model
@@ -102,10 +101,8 @@ def shard_in_two(model: Path) -> list[Path]:
     out = WORK / "shards" / model.stem
     cmd = [sys.executable, "-m", "neuron_tai.cli", "shard", str(model), "--stages", "2", "-o", str(out)]
     say("$ neuron-tai shard " + shown(" ".join(cmd[4:])))
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    n = read_facts(model).block_count
-    half = round(n / 2)
-    return [out / f"{model.stem}.layers-0-{half}.gguf", out / f"{model.stem}.layers-{half}-{n}.gguf"]
+    printed = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout  # "layers A:B<TAB>PATH"
+    return [Path(line.split("\t", 1)[1]) for line in printed.splitlines()]
 
 
 def llama_server(plan: Plan) -> tuple[Path | None, str]:

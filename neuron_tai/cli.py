@@ -14,7 +14,15 @@ from typing import TYPE_CHECKING, Any
 from engine.budgets import BudgetError
 from neuron_tai.client import NodeError
 from neuron_tai.security import ServerCurve, create_key_pair
-from neuron_tai.shard import ShardError, open_header, read_model_layers, stage_bounds, write_shard, write_stages
+from neuron_tai.shard import (
+    ShardError,
+    open_header,
+    read_model_layers,
+    stage_bounds,
+    weight_balanced_bounds,
+    write_shard,
+    write_stages,
+)
 
 if TYPE_CHECKING:
     from neuron_tai.node import NodeConfig
@@ -44,8 +52,11 @@ def _cmd_shard(args: argparse.Namespace) -> int:
         print(out)
         return 0
     header = open_header(src)  # parsed once for all stages
-    blocks = read_model_layers(src, header).block_count
-    bounds = stage_bounds(blocks, stages=args.stages, split=args.split or ())
+    facts = read_model_layers(src, header)
+    if args.stages is not None and args.balance == "weights":
+        bounds = weight_balanced_bounds(src, args.stages, header)
+    else:
+        bounds = stage_bounds(facts.block_count, stages=args.stages, split=args.split or ())
     for path, (a, b) in zip(write_stages(src, args.output, bounds, header), bounds, strict=True):
         print(f"layers {a}:{b}\t{path}")
     return 0
@@ -253,9 +264,16 @@ def build_parser() -> argparse.ArgumentParser:
     shard.add_argument("model", type=Path, help="the source GGUF model (or a shard of one)")
     how = shard.add_mutually_exclusive_group(required=True)
     how.add_argument("--layers", type=_layers, metavar="A:B", help="layers A (inclusive) to B (exclusive)")
-    how.add_argument("--stages", type=int, metavar="N", help="split evenly into N stages")
+    how.add_argument("--stages", type=int, metavar="N", help="split into N stages (see --balance)")
     how.add_argument("--split", type=_split, metavar="B1,B2", help="split at these layer boundaries")
     shard.add_argument("-o", "--output", type=Path, required=True, help="output file (--layers) or directory")
+    shard.add_argument(
+        "--balance",
+        choices=["weights", "layers"],
+        default="weights",
+        help="--stages: give each stage about the same weight bytes to read per token, the last "
+        "stage's vocabulary projection included (weights), or the same number of layers",
+    )
     shard.set_defaults(run=_cmd_shard)
 
     serve = sub.add_parser(

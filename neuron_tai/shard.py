@@ -97,6 +97,11 @@ def write_shard(src: Path, start: int, end: int, out: Path, header: Header | Non
     if swa is not None:
         key = f"{arch}.attention.sliding_window_pattern"
         overrides[key] = encode_entry(key, swa[start:end], ARRAY, _BOOL)
+        if not any(swa[start:end]):
+            # Only full-attention layers here: llama.cpp aborts building a sliding-window cache
+            # with no sliding layer in it, and without a window these layers compute the same.
+            window = f"{arch}.attention.sliding_window"
+            overrides[window] = encode_entry(window, 0, _UINT32)
 
     entries: list[bytes] = []
     for key, entry in header.entries.items():
@@ -164,7 +169,7 @@ def _write(
 
 
 def stage_bounds(block_count: int, *, stages: int | None = None, split: Sequence[int] = ()) -> list[tuple[int, int]]:
-    """Layer ranges of an even split into `stages`, or at explicit `split` boundaries."""
+    """Layer ranges of an even split into `stages` (by layer count), or at explicit `split` boundaries."""
     if stages is not None:
         if not 1 <= stages <= block_count:
             raise ShardError(f"--stages {stages}: need 1 <= N <= {block_count} (the model's layers)")
@@ -175,6 +180,67 @@ def stage_bounds(block_count: int, *, stages: int | None = None, split: Sequence
             shown = ",".join(map(str, split))
             raise ShardError(f"--split {shown}: boundaries must increase within 1..{block_count - 1}")
     return list(itertools.pairwise(cuts))
+
+
+def layer_weights(header: Header) -> tuple[list[int], int]:
+    """Bytes of each layer's tensors, and of the vocabulary projection only a last stage multiplies by.
+
+    What a stage reads per token is what it computes: the chain runs at the pace of the stage
+    that reads most. The projection is `output.weight`, or `token_embd.weight` where the model
+    ties them (the first stage only looks rows of the embeddings up).
+    """
+    layers: dict[int, int] = {}
+    output = embeddings = 0
+    for t in header.tensors:
+        m = _BLOCK.match(t.name)
+        if m:
+            layers[int(m.group(1))] = layers.get(int(m.group(1)), 0) + t.nbytes
+        elif t.name == "output.weight":
+            output = t.nbytes
+        elif t.name == "token_embd.weight":
+            embeddings = t.nbytes
+    return [layers.get(i, 0) for i in range(max(layers, default=-1) + 1)], output or embeddings
+
+
+def balanced_bounds(layer_bytes: Sequence[int], projection_bytes: int, stages: int) -> list[tuple[int, int]]:
+    """Contiguous layer ranges, one per stage, each stage at least one layer, such that the stage
+    reading the most weight bytes per token (the last one also reads the projection) reads as
+    little as it can; among such splits, the most even one."""
+    n = len(layer_bytes)
+    if not 1 <= stages <= n:
+        raise ShardError(f"--stages {stages}: need 1 <= N <= {n} (the model's layers)")
+    prefix = list(itertools.accumulate(layer_bytes, initial=0))
+
+    def cost(a: int, b: int) -> int:
+        return prefix[b] - prefix[a] + (projection_bytes if b == n else 0)
+
+    # best[k][b]: (largest stage, sum of squares) splitting layers [0, b) into k stages; cut[k][b]: its last cut.
+    inf = (float("inf"), float("inf"))
+    best: list[list[tuple[float, float]]] = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = (0, 0)
+    for k in range(1, stages + 1):
+        for b in range(k, n + 1):
+            for a in range(k - 1, b):
+                if best[k - 1][a] == inf:
+                    continue
+                c = cost(a, b)
+                score = (max(best[k - 1][a][0], c), best[k - 1][a][1] + c * c)
+                if score < best[k][b]:
+                    best[k][b], cut[k][b] = score, a
+    bounds, b = [], n
+    for k in range(stages, 0, -1):
+        a = cut[k][b]
+        bounds.append((a, b))
+        b = a
+    return bounds[::-1]
+
+
+def weight_balanced_bounds(path: Path, stages: int, header: Header | None = None) -> list[tuple[int, int]]:
+    """`balanced_bounds` for a model or shard file: its layers' bytes, and the projection if it ends the model."""
+    header = header or open_header(path)
+    layers, projection = layer_weights(header)
+    return balanced_bounds(layers, projection if _facts(header, path).last else 0, stages)
 
 
 def write_stages(

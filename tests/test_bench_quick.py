@@ -150,3 +150,16 @@ def test_interrupted_bench_stops_every_process_it_started(tmp_path: Path, signum
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [p for p in pids if alive(p)]
+
+
+def test_stage_cost_times_both_splits_of_the_tiny_model() -> None:
+    cmd = [sys.executable, "-m", "bench.stage_cost", "--quick", "--reps", "1", "--steps", "2"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    got = json.loads((ROOT / ".bench" / "stage_cost-quick.json").read_text())
+    assert [s["split"] for s in got["splits"]] == ["layers", "weights"]
+    for split in got["splits"]:
+        assert split["bounds"][0][0] == 0 and split["bounds"][-1][1] == 4
+        assert set(split["step_ms"]) == {f"{a}:{b}" for a, b in split["bounds"]}
+        bound = split["efficiency_bound"]
+        assert set(bound) == {"1", "8"} and all(v > 0 for v in bound.values())

@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from engine.architectures import refusal, swa_layers
 from engine.gguf_facts import KEY_LAYER_END, KEY_LAYER_START, KEY_SOURCE_BLOCKS
 from neuron_tai.cli import main
 from neuron_tai.shard import (
     ShardError,
+    balanced_bounds,
+    layer_weights,
+    open_header,
     read_model_layers,
     stage_bounds,
     write_shard,
@@ -128,6 +135,46 @@ def test_stage_bounds() -> None:
             stage_bounds(18, split=bad)
     with pytest.raises(ShardError):
         stage_bounds(4, stages=5)
+
+
+def test_balanced_bounds_give_the_projection_to_the_last_stage() -> None:
+    # gemma-3-270m's shape: 18 layers of ~3.6 MiB, a tied 170 MiB vocabulary projection.
+    assert balanced_bounds([36] * 18, 1700, 2) == [(0, 17), (17, 18)]
+    assert balanced_bounds([36] * 18, 1700, 3) == [(0, 8), (8, 17), (17, 18)]
+    assert balanced_bounds([10] * 6, 0, 3) == [(0, 2), (2, 4), (4, 6)]
+    assert balanced_bounds([10] * 6, 20, 2) == [(0, 4), (4, 6)]
+    with pytest.raises(ShardError):
+        balanced_bounds([10] * 4, 0, 5)
+
+
+@given(
+    st.lists(st.integers(0, 1000), min_size=1, max_size=12).flatmap(
+        lambda layers: st.tuples(st.just(layers), st.integers(0, 5000), st.integers(1, len(layers)))
+    )
+)
+def test_balanced_bounds_is_the_best_contiguous_split(case: tuple[list[int], int, int]) -> None:
+    layers, projection, stages = case
+    bounds = balanced_bounds(layers, projection, stages)
+    assert bounds[0][0] == 0 and bounds[-1][1] == len(layers) and len(bounds) == stages
+    assert all(a < b for a, b in bounds) and all(b == c for (_, b), (c, _) in itertools.pairwise(bounds))
+
+    def worst(split: Sequence[tuple[int, int]]) -> int:
+        return max(sum(layers[a:b]) + (projection if b == len(layers) else 0) for a, b in split)
+
+    every = [stage_bounds(len(layers), split=list(cuts))
+             for cuts in itertools.combinations(range(1, len(layers)), stages - 1)]  # fmt: skip
+    assert worst(bounds) == min(worst(split) for split in every)
+
+
+def test_shard_cli_balances_by_weights(tiny_gemma: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    header = open_header(tiny_gemma)
+    layers, projection = layer_weights(header)
+    assert len(layers) == 6 and projection == next(t.nbytes for t in header.tensors if t.name == "output.weight")
+    expected = balanced_bounds(layers, projection, 2)
+    for extra, bounds in (([], expected), (["--balance", "layers"], [(0, 3), (3, 6)])):
+        assert main(["shard", str(tiny_gemma), "--stages", "2", "-o", str(tmp_path / str(extra)), *extra]) == 0
+        printed = capsys.readouterr().out.splitlines()
+        assert [line.split()[1] for line in printed] == [f"{a}:{b}" for a, b in bounds]
 
 
 def test_swa_layers_matches_llama_cpp_rule() -> None:
