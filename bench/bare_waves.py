@@ -58,7 +58,7 @@ def _wave(
     for first in range(0, len(rows), bare.n_batch):
         chunk = rows[first : first + bare.n_batch]
         bare.fill(chunk)
-        assert lc.llama_decode(bare.ctx, bare.batch) == 0
+        bare.decode(prefill=True)
         for i, (s, _p, _t, out) in enumerate(chunk):
             if out:
                 take(s, i)
@@ -66,7 +66,7 @@ def _wave(
     for _ in range(max(r.max_new for r in wave) - 1):
         live = [s for s, r in enumerate(wave) if len(traces[s].tokens) < r.max_new]
         bare.fill([(s, pos[s], feed(s), True) for s in live])
-        assert lc.llama_decode(bare.ctx, bare.batch) == 0
+        bare.decode(prefill=False)
         for i, s in enumerate(live):
             take(s, i)
             pos[s] += 1

@@ -93,6 +93,21 @@ class BareLoop:
         self.batch = lc.llama_batch_init(config.n_batch, 0, 1)
         self.sampler = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
         lc.llama_sampler_chain_add(self.sampler, lc.llama_sampler_init_greedy())
+        # What `decode` did, counted as a node's engine counts it (`stats`).
+        self.counters: dict[str, float] = dict.fromkeys(
+            ("batches", "decode_batches", "decode_rows", "prefill_tokens", "llama_decode_s"), 0
+        )
+
+    def decode(self, *, prefill: bool) -> None:
+        """llama_decode of the filled batch, counted and timed."""
+        n = self.batch.n_tokens
+        start = time.perf_counter()
+        rc = lc.llama_decode(self.ctx, self.batch)
+        self.counters["llama_decode_s"] += time.perf_counter() - start
+        assert rc == 0, f"llama_decode returned {rc}"
+        self.counters["batches"] += 1
+        self.counters["prefill_tokens" if prefill else "decode_rows"] += n
+        self.counters["decode_batches"] += 0 if prefill else 1
 
     def fill(self, rows: Sequence[tuple[int, int, int, bool]]) -> None:
         b = self.batch

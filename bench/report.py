@@ -218,8 +218,12 @@ class Sweep:
     tokens: dict[tuple[str, int], dict[int, list[int]]]  # (system, concurrency) -> rid -> tokens (first rep)
 
 
-def record(sweep: Sweep, system: str, c: int, rep: int, traces: list[Trace], wall: float) -> None:
+def record(
+    sweep: Sweep, system: str, c: int, rep: int, traces: list[Trace], wall: float, engine: dict[str, Any] | None = None
+) -> None:
     row = {"system": system, "concurrency": c, "rep": rep, **summarize(traces, wall)}
+    if engine is not None:
+        row["engine"] = engine
     sweep.runs.append(row)
     sweep.tokens.setdefault((system, c), {t.rid: t.tokens for t in traces})
     say(f"{system:<34} c={c:<2} rep {rep}: {row['tok_s']:8.2f} tok/s  TTFT p50 {row['ttft_p50_ms']} ms  "
@@ -231,14 +235,30 @@ def record(sweep: Sweep, system: str, c: int, rep: int, traces: list[Trace], wal
 Run = Callable[[list[Request], int, str, Callable[[], None]], Awaitable[tuple[list[Trace], float]]]
 
 
+ENGINE_COUNTERS = ("batches_total", "decode_batches_total", "decode_rows_total", "prefill_tokens_total")
+
+
+def engine_use(before: dict[str, Any], after: dict[str, Any], wall: float) -> dict[str, Any]:
+    """What the node's engine did during a run, from its `stats` before and after: llama_decode calls,
+    their rows, and the time spent inside them (against the run's wall time)."""
+    out: dict[str, Any] = {k.removesuffix("_total"): after[k] - before[k] for k in ENGINE_COUNTERS}
+    decode_s = after["step_seconds"]["sum"] - before["step_seconds"]["sum"]
+    out["llama_decode_s"] = round(decode_s, 3)
+    out["llama_decode_share"] = round(decode_s / wall, 3) if wall > 0 else None
+    return out
+
+
 async def node_run(
-    address: str, requests: list[Request], c: int, tag: str, armed: Callable[[], None]
+    address: str, used: dict[str, dict[str, Any]], requests: list[Request], c: int, tag: str, armed: Callable[[], None]
 ) -> tuple[list[Trace], float]:
-    """A client of its own per run: cancelling the run (its node crashed) also stops the client."""
+    """A client of its own per run: cancelling the run (its node crashed) also stops the client.
+    The node's engine counters over the run go to `used[tag]`."""
     async with open_client(address, timeout_s=300) as client:
-        await client.ping()  # connected before the clock starts
+        before = await client.stats()  # connected before the clock starts
         armed()
-        return await closed_loop(client, requests, c, tag)
+        traces, wall = await closed_loop(client, requests, c, tag)
+        used[tag] = engine_use(before, await client.stats(), wall)
+        return traces, wall
 
 
 async def sweep(
@@ -252,6 +272,7 @@ async def sweep(
     faults: Faults,
 ) -> Sweep:
     result = Sweep([], {})
+    used: dict[str, dict[str, Any]] = {}  # run tag -> the engine's llama_decode calls over that run
 
     def crash(name: str) -> None:
         say(f"{ENV}: sending {name} {FAULT_SIGNAL.name}")
@@ -269,15 +290,22 @@ async def sweep(
         loop = partial(server_loop, nodes.server_port, requests, c)
         return await trio.to_thread.run_sync(loop, abandon_on_cancel=True)  # its threads fail once the server is gone
 
-    async def bare_run(requests: list[Request], c: int, _tag: str, _armed: object) -> tuple[list[Trace], float]:
-        return run_waves(bare, requests, c)
+    async def bare_run(requests: list[Request], c: int, tag: str, _armed: object) -> tuple[list[Trace], float]:
+        before = dict(bare.counters)
+        traces, wall = run_waves(bare, requests, c)
+        use = {k: v - before[k] for k, v in bare.counters.items()}
+        used[tag] = {**{k: int(v) for k, v in use.items() if k != "llama_decode_s"},
+                     "llama_decode_s": round(use["llama_decode_s"], 3),
+                     "llama_decode_share": round(use["llama_decode_s"] / wall, 3)}  # fmt: skip
+        return traces, wall
 
     async def python_run(requests: list[Request], _c: int, _tag: str, _armed: object) -> tuple[list[Trace], float]:
         assert llm is not None
         return run_serial(llm.llm, requests)
 
-    runs: dict[str, Run] = {SINGLE: partial(node_run, nodes.single), NODE_FAST: partial(node_run, nodes.single_fast),
-                            CHAIN: partial(node_run, nodes.chain), BARE: bare_run}  # fmt: skip
+    runs: dict[str, Run] = {SINGLE: partial(node_run, nodes.single, used),
+                            NODE_FAST: partial(node_run, nodes.single_fast, used),
+                            CHAIN: partial(node_run, nodes.chain, used), BARE: bare_run}  # fmt: skip
     if nodes.server_port is not None:
         runs[SERVER] = server_run
     if llm is not None:
@@ -303,7 +331,7 @@ async def sweep(
             if got is None:
                 say(f"{system} c={c}: stopped, a process it needs crashed")
             else:
-                record(result, system, c, rep, *got)
+                record(result, system, c, rep, *got, used.pop(tag, None))
     return result
 
 

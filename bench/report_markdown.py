@@ -43,7 +43,8 @@ def render(r: dict[str, Any]) -> str:
     tok = mean_by(r["runs"], "tok_s")
     systems = [s for s in ALL if s in tok]
     quick = plan["mode"] == "quick"
-    parts = [_head(r, quick), _systems(r), _throughput(r, tok, systems, cs), _latency(r, cs), _corruption(r),
+    parts = [_head(r, quick), _systems(r), _throughput(r, tok, systems, cs), _latency(r, cs), _engine_use(r, cs),
+             _corruption(r),
              _default_mode(r), _admission(r), _telemetry(r), _pipeline(r), _gateway(r), _compatibility(r),
              _limitations(r, tok), _next_step(r)]  # fmt: skip
     return "\n\n".join(p for p in parts if p) + "\n"
@@ -198,6 +199,36 @@ def _latency(r: dict[str, Any], cs: list[int]) -> str:
                       "start together; `Llama serial` is measured per request, without the queue in front of it. "
                       "llama-server's ITL is between streamed events (one per token).",
                       "", "![latency](latency.png)"])  # fmt: skip
+
+
+def _engine_use(r: dict[str, Any], cs: list[int]) -> str:
+    """Per system and concurrency: llama_decode calls, their rows, and the share of the wall time inside them."""
+    per: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for run in r["runs"]:
+        if run.get("engine"):
+            per.setdefault((run["system"], run["concurrency"]), []).append(run["engine"])
+    if not per:
+        return ""
+
+    def mean(xs: list[dict[str, Any]], key: str) -> float:
+        return sum(float(x[key]) for x in xs) / len(xs)
+
+    rows = []
+    for system in ALL:
+        for c in cs:
+            xs = per.get((system, c))
+            if xs:
+                calls = mean(xs, "decode_batches")
+                fill = round(mean(xs, "decode_rows") / calls, 2) if calls else None
+                share = f"{mean(xs, 'llama_decode_share'):.0%}"
+                rows.append([system, str(c), round(mean(xs, "batches"), 1), round(calls, 1), fill,
+                             round(mean(xs, "llama_decode_s"), 2), share])  # fmt: skip
+    return "\n".join(["## Where the time goes: llama_decode calls per run", "",
+                      "Counted by each node's engine (`stats` before and after every run; the chain: its head) "
+                      "and by the bare loop itself; means over repetitions. A call's cost grows slowly with its "
+                      "rows, so fewer, fuller calls make more tokens per second.", "",
+                      _table(["system", "c", "calls", "decode calls", "rows per decode call", "in llama_decode (s)",
+                              "share of wall time"], rows)])  # fmt: skip
 
 
 def _corruption(r: dict[str, Any]) -> str:

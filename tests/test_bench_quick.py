@@ -49,6 +49,13 @@ def test_quick_bench_reports_every_system_and_proves_sessions_never_mix(tmp_path
         assert {c for s, c in swept if s == system} == {1, 2, 4, 8, 16}
     assert (PYTHON, 1) in swept
     assert all(r["tokens"] == 16 * report["plan"]["max_new"] for r in report["runs"])  # nothing lost in the sweep
+    prompt_tokens = sum(w["prompt_tokens"] for w in report["workload"])
+    for r in report["runs"]:  # the engines' own counts of what they computed for each run
+        if r["system"] in (NODE, CHAIN, BARE):
+            used = r["engine"]
+            assert used["decode_rows"] == 16 * (report["plan"]["max_new"] - 1), r
+            assert used["prefill_tokens"] == prompt_tokens and 0 < used["llama_decode_s"], r
+    assert "## Where the time goes" in (out / "README.md").read_text()
 
     burst = report["admission"]
     assert burst["accepted"] == 8 and burst["refused"] == {"session_limit": 16}  # 4 active + 4 waiting
