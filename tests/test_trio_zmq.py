@@ -291,7 +291,7 @@ async def test_a_peer_that_catches_up_gets_its_parked_messages_in_order(ctx: Ctx
         await trio.sleep(0.02)
         parked = [[b"late", str(i).encode()] for i in range(sent - 6, sent)]
         assert pump.backlog(b"late") == 6 and pump.peer_bytes(b"late") == sum(map(message_bytes, parked))
-        received = []
+        received: list[int] = []
         with trio.fail_after(5):
             while len(received) < sent:
                 if late.poll(0):
