@@ -131,6 +131,12 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
         curve=server_curve(args),
         max_text_bytes=args.max_text_bytes,
         max_text_tokens=args.max_text_tokens,
+        send_hwm=args.send_hwm,
+        max_peer_reply_bytes=args.max_peer_reply_bytes,
+        max_reply_bytes=args.max_reply_bytes,
+        max_peer_request_bytes=args.max_peer_request_bytes,
+        max_request_bytes=args.max_request_bytes,
+        max_next_outbox_bytes=args.max_next_outbox_bytes,
     )
 
 
@@ -356,6 +362,37 @@ def build_parser() -> argparse.ArgumentParser:
         help="also close a session with no step or open this long, even if its client is alive (s; 0 off)",
     )
     serve.add_argument("--max-message-bytes", type=_bytes, default=64 * 2**20, help="ZMQ_MAXMSGSIZE")
+    memory = serve.add_argument_group("memory bounds (see README, 'Memory bounds')")
+    memory.add_argument(
+        "--send-hwm", type=int, default=16, help="messages ZeroMQ queues for one connection, and for the next stage"
+    )
+    memory.add_argument(
+        "--max-peer-reply-bytes",
+        type=_bytes,
+        default=32 * 2**20,
+        help="replies waiting for one connection that does not read: past this it is treated as gone",
+    )
+    memory.add_argument(
+        "--max-reply-bytes",
+        type=_bytes,
+        default=256 * 2**20,
+        help="replies waiting for all connections (the ones furthest behind are cut off first)",
+    )
+    memory.add_argument(
+        "--max-peer-request-bytes",
+        type=_bytes,
+        default=128 * 2**20,
+        help="bytes one connection's requests in progress hold; more: busy",
+    )
+    memory.add_argument(
+        "--max-request-bytes", type=_bytes, default=512 * 2**20, help="bytes all requests in progress hold; more: busy"
+    )
+    memory.add_argument(
+        "--max-next-outbox-bytes",
+        type=_bytes,
+        default=256 * 2**20,
+        help="requests waiting to go out to the next stage; more fails with downstream",
+    )
     serve.add_argument("--downstream-timeout", type=float, default=30.0, help="seconds to wait for the next stage")
     serve.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on PORT (plain HTTP)")
     serve.add_argument("--metrics-bind", default="127.0.0.1", help="address the metrics endpoint listens on")

@@ -21,6 +21,8 @@ than after `timeout_s`:
   its outbox while the link is down and drops it when the link goes down or comes up,
   so no forwarded work is replayed into a restarted stage after its timeout. Closes of forwarded sessions
   made while the link is down are remembered and sent once it is up.
+What waits for the next stage is bounded in bytes: ZeroMQ's pipe holds at most `send_hwm`
+messages, the outbox behind it at most `max_outbox_bytes` (beyond that a request fails at once).
 The DEALER has one routing id for the node's lifetime (ZMQ_ROUTING_ID, random), so the
 next stage sees a reconnect as the same connection: the sessions forwarded there stay
 this node's. A `LeaseKeeper` pings while this node holds forwarded sessions there.
@@ -69,6 +71,8 @@ class NextStage:
         *,
         curve: ClientCurve | None = None,
         connect_wait_s: float = CONNECT_WAIT_S,
+        send_hwm: int | None = None,
+        max_outbox_bytes: int = 256 * 2**20,
     ) -> None:
         sock = ctx.socket(zmq.DEALER)
         if curve is not None:  # the node's own key pair, and the next stage's public key
@@ -80,7 +84,7 @@ class NextStage:
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TIMEOUT_MS)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, hwm)
+        sock.setsockopt(zmq.SNDHWM, hwm if send_hwm is None else send_hwm)
         sock.setsockopt(zmq.RCVHWM, hwm)
         self.monitor = TrioSocket(sock.get_monitor_socket(_UP | _DOWN))
         sock.connect(address)
@@ -88,7 +92,8 @@ class NextStage:
         self.timeout_s = timeout_s
         self.connect_wait_s = connect_wait_s
         self.sock = TrioSocket(sock)
-        self.core = Requester(self.sock, max_outbox=hwm, limits=NEXT_STAGE_REPLY_LIMITS)
+        self.core = Requester(self.sock, max_outbox=hwm, max_outbox_bytes=max_outbox_bytes,
+                              limits=NEXT_STAGE_REPLY_LIMITS)  # fmt: skip
         self.core.pump.holding = True  # until the first handshake: nothing is sent before the link is up
         self.keeper = LeaseKeeper(self.core)
         self.connected = False
@@ -173,6 +178,8 @@ class NextStage:
             "disconnects_total": self.disconnects,
             "sessions": len(self.keeper.sessions),
             "pings_total": self.keeper.pings,
+            "outbox_bytes": self.core.pump.queued_bytes,
+            "max_outbox_bytes": self.core.pump.max_bytes,
         }
 
     def close(self) -> None:

@@ -12,8 +12,10 @@ like one node to a client. A generate's task runs the token loop itself: every t
 is one ordinary engine step (so it batches with every other session's), fed the token
 the step before it sampled. Tokenize and detokenize, whose work grows with their input,
 are handler tasks too and run on a worker thread, never on the event loop. Handler
-tasks are capped per connection and in total; beyond the cap a request is answered
-`busy` at once, so ping and stats are never held up.
+tasks are capped per connection and in total, in number and in the bytes they hold;
+beyond a cap a request is answered `busy` at once, so ping and stats are never held up.
+Replies waiting for a connection that does not read are bounded in bytes by the pump,
+which treats a connection past its bound as gone (its sessions are freed).
 """
 
 from __future__ import annotations
@@ -66,7 +68,20 @@ class NodeConfig:
     bind: str = "tcp://127.0.0.1:5555"
     next: str | None = None
     max_message_bytes: int = 64 * 2**20
-    hwm: int = 1000
+    hwm: int = 1000  # ZeroMQ's queue of arriving messages per connection (RCVHWM)
+    # ZeroMQ's queue of messages on their way out, per connection (the ROUTER's SNDHWM) and to
+    # the next stage. It counts messages: its bytes are at most this many of the largest reply.
+    send_hwm: int = 16
+    # Replies waiting in the node for one connection whose pipe is full, and for all of them
+    # together; a connection past either is treated as gone (its sessions are freed).
+    max_peer_reply_bytes: int = 32 * 2**20
+    max_reply_bytes: int = 256 * 2**20
+    # Bytes that requests in progress hold (their payloads and, on a chain head, the hidden
+    # states sent on), per connection and in total; beyond either a request is `busy` at once.
+    max_peer_request_bytes: int = 128 * 2**20
+    max_request_bytes: int = 512 * 2**20
+    # Requests waiting to go out to the next stage (behind ZeroMQ's `send_hwm`).
+    max_next_outbox_bytes: int = 256 * 2**20
     downstream_timeout_s: float = 30.0
     metrics_port: int | None = None
     metrics_bind: str = "127.0.0.1"
@@ -105,6 +120,13 @@ class StepError:
     retry_after_ms: int | None = None
 
 
+@dataclass(slots=True)
+class Held:
+    """The bytes one request in progress holds: counted in the node's totals until it ends."""
+
+    size: int = 0
+
+
 def forwarded_session(peer: bytes, session: str) -> str:
     """The id a session has on the next stage: distinct per upstream connection."""
     return hashlib.blake2b(peer + b"\0" + session.encode(), digest_size=12).hexdigest()
@@ -124,19 +146,21 @@ class Node:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a peer reconnecting under its identity takes it over
         sock.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes)
-        sock.setsockopt(zmq.SNDHWM, config.hwm)
+        sock.setsockopt(zmq.SNDHWM, config.send_hwm)
         sock.setsockopt(zmq.RCVHWM, config.hwm)
         sock.setsockopt(zmq.LINGER, 0)
         sock.bind(config.bind)
         self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.sock = TrioSocket(sock)
-        self.pump = SocketPump(self.sock, self._on_message, routed=True, on_peer_gone=self._peer_gone)
+        self.pump = SocketPump(self.sock, self._on_message, routed=True, max_bytes=config.max_reply_bytes,
+                               max_peer_bytes=config.max_peer_reply_bytes, on_peer_gone=self._peer_gone)  # fmt: skip
         self.next = None
         if config.next:
             curve = config.curve
             link = ClientCurve(curve.secret, curve.next_key) if curve and curve.next_key else None
             self.next = NextStage(ctx, config.next, config.downstream_timeout_s, config.hwm, self.stage.n_embd,
-                                  self.stage.n_vocab, curve=link)  # fmt: skip
+                                  self.stage.n_vocab, curve=link, send_hwm=config.send_hwm,
+                                  max_outbox_bytes=config.max_next_outbox_bytes)  # fmt: skip
         self.peers_gone = 0
         self.started = time.monotonic()
         # Steps of a session from arrival until reply (through the next stage too): while the
@@ -146,6 +170,11 @@ class Node:
         self.handlers = 0
         self.handlers_by_peer: Counter[bytes] = Counter()
         self.handlers_refused = 0
+        # What requests in progress hold, in bytes (see `_held_bytes`): in total and per connection.
+        self.request_bytes = 0
+        self.request_bytes_peak = 0
+        self.request_bytes_by_peer: Counter[bytes] = Counter()
+        self.request_bytes_refused = 0
         self.handlers_idle = trio.Event()
         self.handlers_idle.set()
         self.generations: dict[tuple[bytes, str], Generation] = {}  # running generates, by session
@@ -227,6 +256,7 @@ class Node:
         stats["messages_failed_total"] = self.pump.failed
         stats["text_pending_bytes"] = self.text_pending_bytes
         stats["peers_gone_total"] = self.peers_gone
+        stats.update(self._memory_stats())
         stats["uptime_s"] = round(time.monotonic() - self.started, 1)
         stats["handlers_active"] = self.handlers
         stats["handlers_refused_total"] = self.handlers_refused
@@ -244,6 +274,25 @@ class Node:
             if self.allow is not None:  # only authenticated peers learn where the chain goes on
                 stats["downstream"]["address"] = self.next.address
         return {**stats, **self.config.extra_stats}
+
+    def _memory_stats(self) -> dict[str, int]:
+        """Each byte bound with what it bounds now (for a connection: the one with the most)."""
+        cfg, pump = self.config, self.pump
+        return {
+            "send_hwm": cfg.send_hwm,
+            "reply_bytes": pump.queued_bytes,
+            "reply_bytes_peak": pump.peak_bytes,
+            "max_reply_bytes": cfg.max_reply_bytes,
+            "peer_reply_bytes": pump.most_peer_bytes,
+            "max_peer_reply_bytes": cfg.max_peer_reply_bytes,
+            "peers_cut_off_total": pump.cut_off,
+            "request_bytes": self.request_bytes,
+            "request_bytes_peak": self.request_bytes_peak,
+            "max_request_bytes": cfg.max_request_bytes,
+            "peer_request_bytes": max(self.request_bytes_by_peer.values(), default=0),
+            "max_peer_request_bytes": cfg.max_peer_request_bytes,
+            "request_bytes_refused_total": self.request_bytes_refused,
+        }
 
     # -- requests ----------------------------------------------------------------------
 
@@ -283,23 +332,59 @@ class Node:
             self._spawn(peer, rid, self._close, request)
 
     def _spawn(
-        self, peer: bytes, rid: int, handler: Handler[R], request: R, *, on_exit: Callable[[], None] | None = None
+        self,
+        peer: bytes,
+        rid: int,
+        handler: Handler[R],
+        request: R,
+        *,
+        held: Held | None = None,
+        on_exit: Callable[[], None] | None = None,
     ) -> bool:
-        """Run `handler(peer, request)` as a task of its own, or answer `busy` at once when too many run."""
+        """Run `handler(peer, request)` as a task of its own that holds `held` bytes, or answer
+        `busy` at once when too many run or they hold too many bytes."""
         cfg = self.config
         if self.handlers >= cfg.max_handlers or self.handlers_by_peer[peer] >= cfg.max_handlers_per_peer:
             self.handlers_refused += 1
             self._error(peer, rid, ErrorCode.BUSY, "the node has too many requests in progress", self._retry_ms())
             return False
+        held = held or Held()
+        if held.size and (why := self._no_room_for(peer, held.size)):
+            self.request_bytes_refused += 1
+            self._error(peer, rid, ErrorCode.BUSY, why, self._retry_ms())
+            return False
         assert self._nursery is not None
         self.handlers += 1
         self.handlers_by_peer[peer] += 1
+        if held.size:
+            self.request_bytes += held.size
+            self.request_bytes_peak = max(self.request_bytes_peak, self.request_bytes)
+            self.request_bytes_by_peer[peer] += held.size
         self.handlers_idle = trio.Event() if self.handlers == 1 else self.handlers_idle
-        self._nursery.start_soon(self._run_handler, peer, rid, handler, request, on_exit)
+        self._nursery.start_soon(self._run_handler, peer, rid, handler, request, held, on_exit)
         return True
 
+    def _release(self, peer: bytes, held: Held, size: int) -> None:
+        """`held` now holds `size` bytes (fewer than before): let the rest go."""
+        freed, held.size = held.size - size, size
+        if freed:
+            self.request_bytes -= freed
+            self.request_bytes_by_peer[peer] -= freed
+            if not self.request_bytes_by_peer[peer]:
+                del self.request_bytes_by_peer[peer]
+
+    def _no_room_for(self, peer: bytes, size: int) -> str | None:
+        """Why a request holding `size` bytes cannot be taken now (None: it can). One is always
+        taken when nothing is held, so no single request is refused for its size alone."""
+        held = self.request_bytes_by_peer[peer]
+        if held and held + size > self.config.max_peer_request_bytes:
+            return "this connection's requests in progress hold too many bytes"
+        if self.request_bytes and self.request_bytes + size > self.config.max_request_bytes:
+            return "the node's requests in progress hold too many bytes"
+        return None
+
     async def _run_handler(
-        self, peer: bytes, rid: int, handler: Handler[R], request: R, on_exit: Callable[[], None] | None
+        self, peer: bytes, rid: int, handler: Handler[R], request: R, held: Held, on_exit: Callable[[], None] | None
     ) -> None:
         try:
             await handler(peer, request)
@@ -314,6 +399,7 @@ class Node:
             self.handlers_by_peer[peer] -= 1
             if not self.handlers_by_peer[peer]:
                 del self.handlers_by_peer[peer]
+            self._release(peer, held, 0)
             if not self.handlers:
                 self.handlers_idle.set()
 
@@ -327,9 +413,9 @@ class Node:
             self.text_pending_bytes -= size
 
         if isinstance(req, wire.Tokenize):
-            spawned = self._spawn(peer, req.rid, self._tokenize, req, on_exit=done)
+            spawned = self._spawn(peer, req.rid, self._tokenize, req, held=Held(size), on_exit=done)
         else:
-            spawned = self._spawn(peer, req.rid, self._detokenize, req, on_exit=done)
+            spawned = self._spawn(peer, req.rid, self._detokenize, req, held=Held(size), on_exit=done)
         if spawned:
             self.text_pending_bytes += size
 
@@ -407,11 +493,27 @@ class Node:
             want = "'token' or 'logits'" if stage.last else "'hidden'"
             self._error(peer, req.rid, ErrorCode.WRONG_STAGE, f"this stage (layers {stage.layers}) gives out={want}")
             return
+        if self._too_large(peer, req.rid, req.n):
+            return
         if self.in_flight[key] and self.engine.max_tokens_of(peer, req.session) is not None:
             self._error(peer, req.rid, ErrorCode.BUSY, "the session already has a step in flight", self._retry_ms())
             return
-        if self._spawn(peer, req.rid, self._step, req, on_exit=lambda: self._step_done(key)):
+        payload = req.tokens if req.tokens is not None else req.hidden
+        held = Held(self._held_bytes(req.n, 0 if payload is None else payload.nbytes))
+        if self._spawn(peer, req.rid, self._step, req, held=held, on_exit=lambda: self._step_done(key)):
             self.in_flight[key] += 1
+
+    def _too_large(self, peer: bytes, rid: int, n: int) -> bool:
+        """A step (or a generate's first) longer than this stage takes is refused before it holds anything."""
+        limit = self.stage.max_step_tokens
+        if n > limit:
+            self._error(peer, rid, ErrorCode.TOO_LARGE, f"n={n} exceeds max_step_tokens {limit}")
+        return n > limit
+
+    def _held_bytes(self, n: int, payload: int) -> int:
+        """What a step of `n` positions holds while in progress: its payload, and with a next
+        stage the hidden states (f32) it sends there and keeps until that stage answers."""
+        return payload + (n * self.stage.n_embd * 4 if self.next is not None else 0)
 
     def _step_done(self, key: tuple[bytes, str]) -> None:
         self.in_flight[key] -= 1
@@ -480,12 +582,14 @@ class Node:
             self._error(peer, req.rid, ErrorCode.WRONG_STAGE,
                         f"this stage (layers {stage.layers}) cannot sample tokens and has no next stage")  # fmt: skip
             return
+        if self._too_large(peer, req.rid, req.n):
+            return
         if self.in_flight[key] and self.engine.max_tokens_of(peer, req.session) is not None:
             self._error(peer, req.rid, ErrorCode.BUSY, "the session already has a step in flight", self._retry_ms())
             return
-        run = Generation()
-        handler = functools.partial(self._generate, run=run)
-        if self._spawn(peer, req.rid, handler, req, on_exit=lambda: self._generation_done(key, run)):
+        run, hold = Generation(), Held(self._held_bytes(req.n, req.tokens.nbytes))
+        handler = functools.partial(self._generate, run=run, hold=hold)
+        if self._spawn(peer, req.rid, handler, req, held=hold, on_exit=lambda: self._generation_done(key, run)):
             self.in_flight[key] += 1
             self.generations[key] = run
 
@@ -495,7 +599,7 @@ class Node:
             del self.generations[key]
         self._step_done(key)
 
-    async def _generate(self, peer: bytes, req: wire.Generate, *, run: Generation) -> None:
+    async def _generate(self, peer: bytes, req: wire.Generate, *, run: Generation, hold: Held) -> None:
         """Step, sample, feed the token back, until a token or `cancel` ends the run; stream as it goes.
 
         Tokens are held back (and later sent several to a message) while the peer's pipe is
@@ -526,6 +630,8 @@ class Node:
                 self._send(peer, frames)
                 return
             token = int(np.frombuffer(outcome[1][0], "<i4")[0])
+            if not produced:  # from now on each step is one token: it holds that much
+                self._release(peer, hold, self._held_bytes(1, req.tokens.nbytes))
             produced.append(token)
             self.generated_tokens += 1
             pos, feed = pos + len(feed), np.array([token], np.int32)

@@ -2,11 +2,13 @@
 
 Each test plays an attacker (or a broken next stage) and a well-behaved second peer,
 and checks the attacker gets an error reply (or nothing) while the other is served.
+What the node holds for an attacker is read from its own `stats`, never from its RSS.
 """
 
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,9 +27,11 @@ REPLY_TIMEOUT_MS = 30_000  # "no reply" only: no assertion depends on how fast a
 class Peer:
     """A plain DEALER speaking protocol v1 by hand."""
 
-    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], address: str) -> None:
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], address: str, **options: int) -> None:
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        for name, value in options.items():
+            self.sock.setsockopt(getattr(zmq, name), value)
         self.sock.connect(address)
         self.rids = itertools.count(1)
 
@@ -214,3 +218,143 @@ def test_garbage_from_the_next_stage_is_downstream_not_a_stopped_node(tiny_shard
             assert downstream["malformed_total"] == 11 and downstream["replies_dropped_total"] >= 2
     finally:
         fake_next.close()
+
+
+def test_a_peer_that_never_reads_is_cut_off_and_served_again_once_it_drains(tiny_model: Path) -> None:
+    """It asks for far more replies than the bounds hold (tokenize answers are the tiny model's
+    largest) and reads none: the node holds at most its bounds for it, frees its session, serves
+    the others meanwhile, and serves it again once it has drained its socket and asks again."""
+    bounds = ("--send-hwm", "2", "--max-peer-reply-bytes", "256K", "--max-reply-bytes", "1M")
+    text = " ".join(["the cat sat on a mat"] * 800)  # 16 KB: a reply of about 64 KB of token ids
+    asked = 100
+    with node_process(tiny_model, *bounds) as (node, ctx):
+        reader, hog = Peer(ctx, node.address), Peer(ctx, node.address, RCVHWM=2, RCVBUF=4096)
+        assert hog.request("open", session="s", max_tokens=16)[0]["op"] == "opened"
+        for _ in range(asked):
+            hog.send("tokenize", text=text)
+        samples = []
+        deadline = time.monotonic() + 60  # a bound on the loop, not a speed assertion
+        while time.monotonic() < deadline:
+            stats = reader.request("stats")[0]["stats"]
+            samples.append(stats)
+            if stats["peers_cut_off_total"] and not stats["handlers_active"]:
+                break
+            time.sleep(0.05)
+        assert stats["peers_cut_off_total"] >= 1 and stats["peers_gone_total"] >= 1, stats
+        assert stats["sessions_active"] == 0, "the hog's session was freed"
+        assert stats["max_peer_reply_bytes"] == 2**18 and stats["max_reply_bytes"] == 2**20
+        assert stats["send_hwm"] == 2
+        for sample in samples:
+            assert sample["peer_reply_bytes"] <= 2**18 and sample["reply_bytes"] <= 2**20
+        asked_bytes = asked * 4 * reader.request("tokenize", text=text)[0]["n"]
+        assert stats["reply_bytes_peak"] <= 2**20 < asked_bytes // 4, "the node held a fraction of what was asked"
+        assert stats["reply_bytes"] == 0, "nothing waits for the hog any more"
+        opened, _ = reader.request("open", session="r", max_tokens=16)
+        assert opened["op"] == "opened"
+        result, frames = reader.request("step", np.array([1, 5], "<i4").tobytes(), session="r", pos=0, n=2,
+                                        input="tokens", out="logits")  # fmt: skip
+        assert result["op"] == "result" and len(frames[0]) == 4 * opened["stage"]["n_vocab"]
+        drained = 0
+        while hog.sock.poll(500):
+            header = msgpack.unpackb(hog.sock.recv_multipart()[0])
+            assert header["op"] == "tokens"
+            drained += 1
+        assert 0 < drained < asked, "it read what was in flight to it; the rest was dropped"
+        opened, _ = hog.request("open", session="s", max_tokens=16)  # served again
+        assert opened["op"] == "opened"
+        result, frames = hog.request("step", np.array([1, 5], "<i4").tobytes(), session="s", pos=0, n=2,
+                                     input="tokens", out="logits")  # fmt: skip
+        assert result["op"] == "result" and len(frames[0]) == 4 * opened["stage"]["n_vocab"]
+
+
+STAGE = {"first": False, "last": True, "layers": [2, 4], "max_step_tokens": 64, "eog_tokens": [2]}
+
+
+def test_a_flood_of_big_payloads_is_busy_beyond_the_byte_bounds_and_nothing_accepted_is_lost(
+    tiny_shards2: list[Path],
+) -> None:
+    """A head whose next stage holds every step until told to answer: what the steps hold
+    (tokens in, hidden states sent on) stays within a connection's bound and the node's; the
+    rest is `busy` at once, a close is still served, and every step taken is answered."""
+    n, n_embd = 32, 64
+    step_bytes = n * 4 + n * n_embd * 4  # the tokens, and the f32 hidden states sent on
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    fake_next = ctx.socket(zmq.ROUTER)
+    fake_next.setsockopt(zmq.LINGER, 0)
+    port = fake_next.bind_to_random_port("tcp://127.0.0.1")
+    bounds = ("--max-peer-request-bytes", str(2 * step_bytes + 100), "--max-request-bytes", str(3 * step_bytes + 100))
+    flags = ("--next", f"tcp://127.0.0.1:{port}", "--max-sessions", "8", "--downstream-timeout", "60", *bounds)
+    tokens = np.arange(1, n + 1, dtype="<i4").tobytes()
+    try:
+        with node_process(tiny_shards2[0], *flags) as (head, node_ctx):
+            flood, other = Peer(node_ctx, head.address), Peer(node_ctx, head.address)
+
+            def forwarded(op: str) -> tuple[bytes, dict[str, Any]]:
+                """The next request of kind `op` the head sends on (pings answered, closes let be)."""
+                while True:
+                    assert fake_next.poll(REPLY_TIMEOUT_MS), f"no {op} was forwarded"
+                    frames = fake_next.recv_multipart()
+                    req = msgpack.unpackb(frames[1])
+                    if req["op"] == op:
+                        return frames[0], req
+                    if req["op"] == "ping":
+                        fake_next.send_multipart([frames[0], reply("pong", req["rid"])])
+
+            def open_session(peer: Peer, session: str) -> None:
+                peer.send("open", session=session, max_tokens=64)
+                link, req = forwarded("open")
+                fake_next.send_multipart([link, reply("opened", req["rid"], stage=STAGE, kv_reserved=64)])
+                assert peer.recv()[0]["op"] == "opened"
+
+            def step(peer: Peer, session: str) -> int:
+                return peer.send("step", tokens, session=session, pos=0, n=n, input="tokens", out="token")
+
+            def answer(link: bytes, req: dict[str, Any]) -> None:
+                keys = {"session": req["session"], "pos": 0, "n": n, "out": "token"}
+                fake_next.send_multipart([link, reply("result", req["rid"], **keys), np.array([7], "<i4").tobytes()])
+
+            for i in range(6):
+                open_session(flood, f"f{i}")
+            for i in range(2):
+                open_session(other, f"o{i}")
+            sessions = {step(flood, f"f{i}"): f"f{i}" for i in range(6)}
+            held = [forwarded("step") for _ in range(2)]  # the first two are taken and sent on
+            busy = [flood.recv()[0] for _ in range(4)]  # the rest are refused at once
+            for refusal in busy:
+                assert refusal["code"] == "busy" and refusal["retry_after_ms"] > 0, refusal
+                assert "connection" in refusal["message"]
+            taken = set(sessions) - {refusal["rid"] for refusal in busy}
+            assert len(taken) == 2
+            # Another connection has room of its own, up to the node's total.
+            other_rid = step(other, "o0")
+            held.append(forwarded("step"))
+            refusal = other.request("step", tokens, session="o1", pos=0, n=n, input="tokens", out="token")[0]
+            assert refusal["code"] == "busy" and "node" in refusal["message"], refusal
+            stats = other.request("stats")[0]["stats"]
+            assert stats["request_bytes"] == 3 * step_bytes and stats["peer_request_bytes"] == 2 * step_bytes
+            assert stats["max_peer_request_bytes"] == 2 * step_bytes + 100
+            assert stats["max_request_bytes"] == 3 * step_bytes + 100
+            assert stats["request_bytes_refused_total"] == 5 and stats["handlers_refused_total"] == 0
+            # Cleanup is never refused for lack of room.
+            closing = sessions[busy[0]["rid"]]
+            closed = flood.request("close", session=closing)[0]
+            assert closed["op"] == "closed" and closed["existed"], closed
+            # Every step taken is answered.
+            for link, req in held:
+                answer(link, req)
+            results = [flood.recv()[0] for _ in range(2)]
+            assert {r["rid"] for r in results} == taken and all(r["op"] == "result" for r in results), results
+            mine = other.recv()[0]
+            assert mine["rid"] == other_rid and mine["op"] == "result", mine
+            # The refused ones go through when sent again.
+            for refused in busy[1:]:
+                rid = step(flood, sessions[refused["rid"]])
+                answer(*forwarded("step"))
+                result = flood.recv()[0]
+                assert result["rid"] == rid and result["op"] == "result", result
+            stats = other.request("stats")[0]["stats"]
+            assert stats["request_bytes"] == 0 and stats["peer_request_bytes"] == 0
+            assert stats["request_bytes_peak"] == 3 * step_bytes
+    finally:
+        fake_next.close()
+        ctx.destroy(linger=0)

@@ -379,13 +379,16 @@ def test_cli_serve_help_and_stats(tiny_model: Path, capsys: pytest.CaptureFixtur
 
     with pytest.raises(SystemExit):
         main(["serve", "--help"])
-    assert "--batch-invariant" in capsys.readouterr().out
+    help_text = capsys.readouterr().out
+    assert "--batch-invariant" in help_text and "--max-peer-reply-bytes" in help_text
     node_port, metrics_port, nobody = free_ports(3)
     node = NodeProcess(tiny_model, f"tcp://127.0.0.1:{node_port}", ["--metrics-port", str(metrics_port)])
     with running(node):
         assert main(["stats", "--addr", node.address]) == 0
         out = capsys.readouterr().out
         assert "sessions_active" in out and "kv_budget_bytes" in out
+        for bound in ("max_peer_reply_bytes", "max_reply_bytes", "max_peer_request_bytes", "max_request_bytes"):
+            assert bound in out, bound
         assert main(["generate", "--addr", node.address, "--max-tokens", "4", "the cat"]) == 0
         on_node = capsys.readouterr().out
         assert main(["generate", "--addr", node.address, "--max-tokens", "4", "--step-loop", "the cat"]) == 0
@@ -449,7 +452,8 @@ def test_prometheus_endpoint_has_the_telemetry_names(tiny_model: Path) -> None:
         with pytest.raises(OSError):  # it listens on the address it was given only
             urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
         for name in ("sessions_active", "queue_depth", "batch_occupancy", "kv_pressure", "kv_budget_bytes",
-                     "decode_tokens_per_s", "step_seconds_bucket", "admissions", "auth_failures_total"):  # fmt: skip
+                     "decode_tokens_per_s", "step_seconds_bucket", "admissions", "auth_failures_total", "send_hwm",
+                     "reply_bytes", "max_reply_bytes", "request_bytes", "max_peer_request_bytes"):  # fmt: skip
             assert f"neuron_tai_{name}" in text, name
         assert node.stop() == 0
 

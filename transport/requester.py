@@ -32,7 +32,7 @@ class ClientClosed(ConnectionError):
 
 
 class OutboxFull(Exception):
-    """The socket's outbox is full: the request was not sent."""
+    """The socket's outbox is full (in messages or bytes): the request was not sent."""
 
 
 class Abandoned(ClientClosed):
@@ -49,10 +49,17 @@ class _Waiting:
 
 
 class Requester:
-    def __init__(self, sock: TrioSocket, *, max_outbox: int = 4096, limits: HeaderLimits = REPLY_LIMITS) -> None:
+    def __init__(
+        self,
+        sock: TrioSocket,
+        *,
+        max_outbox: int = 4096,
+        max_outbox_bytes: int = 256 * 2**20,
+        limits: HeaderLimits = REPLY_LIMITS,
+    ) -> None:
         self.sock = sock
         self.limits = limits
-        self.pump = SocketPump(sock, self._on_message, max_outbox=max_outbox)
+        self.pump = SocketPump(sock, self._on_message, max_outbox=max_outbox, max_bytes=max_outbox_bytes)
         self._rids = itertools.count(1)
         self._waiting: dict[int, _Waiting] = {}
         self.closed = False
