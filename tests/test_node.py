@@ -449,7 +449,8 @@ def test_prometheus_endpoint_has_the_telemetry_names(tiny_model: Path) -> None:
         with pytest.raises(OSError):  # it listens on the address it was given only
             urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
         for name in ("sessions_active", "queue_depth", "batch_occupancy", "kv_pressure", "kv_budget_bytes",
-                     "decode_tokens_per_s", "step_seconds_bucket", "admissions", "auth_failures_total"):  # fmt: skip
+                     "decode_tokens_per_s", "step_seconds_bucket", "admissions", "auth_failures_total",
+                     "peer_quota_refused"):  # fmt: skip
             assert f"neuron_tai_{name}" in text, name
         assert node.stop() == 0
 
