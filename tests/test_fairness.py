@@ -89,6 +89,63 @@ async def test_a_connection_past_its_queue_share_is_busy_and_another_is_served(t
         assert stats["peer_quota_refused_total"]["queued"] == 3 and stats["max_queued_per_peer"] == 2
 
 
+@pytest.mark.parametrize("flood", ["close", "step"])
+async def test_a_flood_during_a_long_decode_leaves_another_connection_its_room(tiny_model: Path, flood: str) -> None:
+    """While the engine is inside a decode (a real model's take tens of ms) nothing leaves its
+    queue: one peer's flood of closes takes no place in it, and one of steps at most its share."""
+    async with (
+        open_node(NodeConfig(engine_config(tiny_model), bind="tcp://127.0.0.1:0")) as node,
+        open_client(node.address, timeout_s=30, retries=0) as victim,
+    ):
+        await victim.open("v1", 64)
+        await victim.open("v2", 64)
+        attacker = RawPeer(node.address)
+        results: list[int | None] = []
+
+        async def step(name: str) -> None:
+            results.append((await victim.step(name, 0, tokens=IDS)).token)
+
+        try:
+            attacker.send({"op": "open", "rid": 1, "session": "mine", "max_tokens": 8})
+            assert (await attacker.recv())[0]["op"] == "opened"
+            inbox = node.engine._inbox.statistics
+            with held_decodes(node) as (entered, release):
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(step, "v1")
+                    await wait_until(entered.is_set)
+                    for rid in range(2, 602):
+                        if flood == "close":
+                            attacker.send({"op": "close", "rid": rid, "session": "mine" if rid % 7 else f"g{rid}"})
+                        else:
+                            attacker.send({"op": "step", "rid": rid, "session": f"x{rid}", "pos": 0, "n": 1,
+                                           "input": "tokens", "out": "token"}, int32([1]))  # fmt: skip
+                    attacker.send({"op": "ping", "rid": 602})
+                    replies = [(await attacker.recv())[0]]
+                    while replies[-1]["op"] != "pong":  # the node has read the whole flood
+                        replies.append((await attacker.recv())[0])
+                    # Every request of the flood has been answered or waits in the engine's queue.
+                    await wait_until(lambda: node.handlers == 1 + inbox().current_buffer_used)
+                    nursery.start_soon(step, "v2")  # queued: room is left for it (refused, it would raise)
+                    waiting = node.handlers + 1
+                    await wait_until(lambda: node.handlers == waiting == 1 + inbox().current_buffer_used)
+                    release.set()
+                while len(replies) < 601:
+                    replies.append((await attacker.recv())[0])
+        finally:
+            attacker.close()
+        assert len(results) == 2 and all(t is not None for t in results), "the other connection was refused"
+        stats = await victim.stats()
+        if flood == "close":
+            assert {r["op"] for r in replies} == {"closed", "pong"}, "a close was refused"
+            assert sum(r.get("existed") is True for r in replies) == 1
+            assert stats["closes_pending"] == 0 and stats["handlers_refused_total"] == 0
+        else:
+            busy = [r for r in replies if r["op"] == "error" and r["code"] == "busy"]
+            assert len([r for r in replies if r.get("code") == "unknown_session"]) == 128  # its share of 256
+            assert len(busy) == 600 - 128 and stats["peer_quota_refused_total"]["queued"] >= 1
+            assert all(r["retry_after_ms"] for r in busy)
+
+
 async def test_a_second_close_of_a_generating_session_does_not_wait(tiny_model: Path) -> None:
     async with open_node(NodeConfig(engine_config(tiny_model), bind="tcp://127.0.0.1:0")) as node:
         peer = RawPeer(node.address)
