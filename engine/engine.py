@@ -1,11 +1,12 @@
 """The engine: one Trio task owns the scheduler and the backend and runs the batch loop.
 
-Other tasks `await engine.request(...)` for a result: the request goes through a
-bounded inbox (a full inbox is `busy` at once) and the caller waits on a one-shot
-channel; a caller that stops waiting (cancelled) is seen by the engine as a closed
-channel, and whatever was made for it is freed. Cleanups (close, rollback, a gone
-connection) take a second path that is never refused: at most one pending per
-session or connection, so it is bounded by what exists.
+Other tasks `await engine.request(...)` for a result: an open or a step goes through
+a bounded inbox (a full inbox is `busy` at once, and so is an owner, a connection, past
+its share of it) and the caller waits on a one-shot channel; a caller that stops
+waiting (cancelled) is seen by the engine as a closed channel, and whatever was made
+for it is freed. Cleanups (close, rollback, a gone connection) take a second path that
+is never refused: at most one pending per session or connection, so it is bounded by
+what exists.
 
 Between decode steps the engine task drains cleanups and the inbox, admits and
 expires waiting opens, plans the next iteration, and runs each llama_decode call in
@@ -18,7 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
@@ -103,6 +104,19 @@ class EngineConfig:
     # group computes here. 1 runs every session in one call (nothing to overlap on a single node);
     # None: 1, or 2 when a node has a next stage (the node decides).
     micro_batches: int | None = None
+    # Per connection (the owner of a request): open sessions, waiting opens, and opens and steps
+    # in the inbox at once. None: sessions and waiting opens as the node's own limits (a chain's
+    # head sends all its sessions over one connection); queued requests, half the inbox but at
+    # least max_sessions (a head sends one request per session at a time: they always fit).
+    max_sessions_per_peer: int | None = None
+    max_waiting_per_peer: int | None = None
+    max_queued_per_peer: int | None = None
+
+    def queued_per_peer(self) -> int:
+        """Requests one connection may have in the inbox at once."""
+        if self.max_queued_per_peer is not None:
+            return self.max_queued_per_peer
+        return min(self.inbox_size, max(self.inbox_size // 2, self.max_sessions))
 
     def context(self) -> ContextConfig:
         return ContextConfig(
@@ -151,12 +165,15 @@ class _Reply:
 
 
 Asked = OpenRequest | StepRequest | CloseRequest  # what `Engine.request` takes
+Queued = OpenRequest | StepRequest  # what goes through the inbox (a close is a cleanup)
+ClosedListener = Callable[[bool], None]  # told whether the session a close was for existed
 
 
 @dataclass(slots=True)
 class _PendingCleanup:
     request: Cleanup
     done: trio.Event
+    listeners: list[ClosedListener] = field(default_factory=list)
 
 
 def _cleanup_key(request: Cleanup) -> tuple[Any, ...]:
@@ -226,8 +243,15 @@ class Engine:
                 batch_invariant=config.batch_invariant,
                 pad_rows=self.pad_rows,
                 micro_batches=config.micro_batches or 1,
+                max_sessions_per_owner=config.max_sessions_per_peer,
+                max_waiting_per_owner=config.max_waiting_per_peer,
             )
         )
+        self.queued_per_peer = config.queued_per_peer()
+        if not 1 <= self.queued_per_peer <= config.inbox_size:
+            raise ValueError(
+                f"need 1 <= max_queued_per_peer ({self.queued_per_peer}) <= {config.inbox_size}, the inbox"
+            )
         output_rows = config.n_batch if (not self.info.last or config.batch_invariant) else config.max_sessions
         scratch = backend.compute_buffer_bytes + backend.output_buffer_bytes(output_rows)
         self.budgets = Budgets(budgets.weights_bytes, budgets.kv_bytes, scratch)
@@ -235,7 +259,8 @@ class Engine:
         self.iterations: deque[IterationRecord] = deque(maxlen=100_000)  # when record_iterations
         self.pad_seq = backend.open_sequence() if config.batch_invariant else None
         self.graveyard = backend.open_sequence() if config.batch_invariant else None
-        self._inbox_send, self._inbox = trio.open_memory_channel[tuple[Asked, _Reply]](config.inbox_size)
+        self._inbox_send, self._inbox = trio.open_memory_channel[tuple[Queued, _Reply]](config.inbox_size)
+        self._queued: Counter[Any] = Counter()  # requests in the inbox, by owner
         self._cleanups: dict[tuple[Any, ...], _PendingCleanup] = {}
         # Once: asking llama.cpp about every vocabulary entry takes a while on large vocabularies.
         self.eog_tokens = frozenset(t for t in range(self.info.n_vocab) if backend.model.is_eog(t))
@@ -262,8 +287,11 @@ class Engine:
     # -- the API other tasks use ----------------------------------------------------
 
     async def request(self, request: Asked) -> Result:
-        """The engine's answer. A full inbox is `busy` at once; cancelling the wait is leaving:
-        a session opened or a step computed for a requester that left is closed."""
+        """The engine's answer. A full inbox (or the owner's full share of it) is `busy` at once;
+        cancelling the wait is leaving: a session opened or a step computed for a requester that
+        left is closed. A close is never refused: it takes the cleanup path (see `close`)."""
+        if isinstance(request, CloseRequest):
+            return await self.close(request)
         send, recv = trio.open_memory_channel[Result](1)
         with recv:
             refused = self._enqueue(request, _Reply(send))
@@ -275,38 +303,63 @@ class Engine:
             except trio.EndOfChannel:  # unreachable while the loop answers everything; never hang on it
                 return self._count(Failure(ErrorCode.SHUTTING_DOWN, "the node stopped"))
 
-    def _enqueue(self, request: Asked, reply: _Reply) -> Failure | None:
-        if self.draining and not isinstance(request, CloseRequest):
+    def _enqueue(self, request: Queued, reply: _Reply) -> Failure | None:
+        if self.draining:
             return self._count(Failure(ErrorCode.SHUTTING_DOWN, "the node is draining"))
+        if self.queued_per_peer < self.config.inbox_size and self._queued[request.owner] >= self.queued_per_peer:
+            self.telemetry.quota_refused["queued"] += 1
+            return self._count(
+                Failure(ErrorCode.BUSY, f"this connection has its quota of {self.queued_per_peer} requests "
+                        "queued for the engine", self.scheduler.busy_retry_ms())
+            )  # fmt: skip
         try:
             self._inbox_send.send_nowait((request, reply))
         except trio.WouldBlock:
             return self._count(Failure(ErrorCode.BUSY, "the engine's inbox is full", self.scheduler.busy_retry_ms()))
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             return self._count(Failure(ErrorCode.SHUTTING_DOWN, "the node has stopped"))
+        self._queued[request.owner] += 1
         return None
 
-    def cleanup_nowait(self, request: Cleanup) -> trio.Event:
+    def _taken(self, request: Queued) -> None:
+        """A request left the inbox: its owner's share has room again."""
+        self._queued[request.owner] -= 1
+        if not self._queued[request.owner]:
+            del self._queued[request.owner]
+
+    def cleanup_nowait(self, request: Cleanup, on_closed: ClosedListener | None = None) -> trio.Event:
         """Queue a cleanup; never refused, also while draining. The event is set once it is done
         (or the engine has stopped, which frees everything). One pending per session or owner:
-        a second one for the same key is merged into the first."""
-        pending = self._cleanups.get(_cleanup_key(request))
+        a second one for the same key is merged into the first. `on_closed` (with a close) is
+        called in the engine task once it is done, with whether the session existed; of closes
+        merged into one, only the first listener is told it did. It must not block."""
         if self.stopped.is_set():
             done = trio.Event()
             done.set()
+            _tell([on_closed] if on_closed else [], False)
             return done
         self.telemetry.cleanups_total += 1
+        key = _cleanup_key(request)
+        pending = self._cleanups.get(key)
         if pending is not None:
             pending.request = _merge(pending.request, request)
-            return pending.done
-        pending = self._cleanups[_cleanup_key(request)] = _PendingCleanup(request, trio.Event())
-        if self._idle_scope is not None:
-            self._idle_scope.cancel()  # wake the loop if it is waiting for work
+        else:
+            pending = self._cleanups[key] = _PendingCleanup(request, trio.Event())
+            if self._idle_scope is not None:
+                self._idle_scope.cancel()  # wake the loop if it is waiting for work
+        if on_closed is not None:
+            pending.listeners.append(on_closed)
         return pending.done
 
     async def cleanup(self, request: Cleanup) -> None:
         """Queue a cleanup and wait until the engine has done it (see `cleanup_nowait`)."""
         await self.cleanup_nowait(request).wait()
+
+    async def close(self, request: CloseRequest) -> Closed:
+        """Close a session on the cleanup path (never refused); `existed` as for `on_closed`."""
+        existed: list[bool] = []
+        await self.cleanup_nowait(request, existed.append).wait()
+        return Closed(request.session, any(existed))
 
     # -- what a node needs to know --------------------------------------------------
 
@@ -383,31 +436,41 @@ class Engine:
             except (trio.WouldBlock, trio.EndOfChannel):
                 return
             if not refuse:
-                self._handle(request, reply)
+                self._take(request, reply)
             else:
+                self._taken(request)
                 reply.answer(self._count(Failure(ErrorCode.SHUTTING_DOWN, "the node stopped")))
+
+    def _take(self, request: Queued, reply: _Reply) -> None:
+        """Handle a request from the inbox, after any cleanup queued before it (a close, then a
+        reopen of the same id, is seen in that order)."""
+        self._taken(request)
+        self._run_cleanups()
+        self._handle(request, reply)
 
     def _run_cleanups(self) -> None:
         while self._cleanups:
             pending = self._cleanups.pop(next(iter(self._cleanups)))
             request = pending.request
+            existed = False
             if isinstance(request, CloseRequest):
-                self._close((request.owner, request.session), "the session was closed")
+                existed = self._close((request.owner, request.session), "the session was closed")
             elif isinstance(request, Rollback):
                 self._rollback(request)
             else:
                 for key in [k for k in self.scheduler.sessions if k[0] == request.owner]:
                     self._close(key, "the session's connection is gone")
-                for waiter in [w for w in self.scheduler.waiting if w.key[0] == request.owner]:
-                    self.scheduler.waiting.remove(waiter)
+                for waiter in self.scheduler.drop_waiting(request.owner):  # nobody reads the answer: no task hangs
+                    self._reject_waiter(waiter, Rejection(ErrorCode.UNKNOWN_SESSION, "the connection is gone"))
             pending.done.set()
+            _tell(pending.listeners, existed)
 
     async def _wait_for_work(self) -> None:
         deadlines = [d for d in (self.scheduler.next_deadline_ms(), self._idle_deadline_ms()) if d is not None]
         deadline = trio.current_time() + (min(deadlines) - _now_ms()) / 1000 if deadlines else math.inf
         with trio.CancelScope(deadline=deadline) as self._idle_scope:
             request, reply = await self._inbox.receive()
-            self._handle(request, reply)
+            self._take(request, reply)
         self._idle_scope = None
 
     async def _linger(self) -> None:
@@ -427,7 +490,7 @@ class Engine:
         with trio.move_on_after(limit):
             while self._lingering():
                 request, reply = await self._inbox.receive()
-                self._handle(request, reply)
+                self._take(request, reply)
         self.telemetry.linger_seconds_total += time.perf_counter() - started
 
     def _lingering(self) -> bool:
@@ -466,21 +529,20 @@ class Engine:
 
     # -- requests ---------------------------------------------------------------------
 
-    def _handle(self, request: Asked, reply: _Reply) -> None:
+    def _handle(self, request: Queued, reply: _Reply) -> None:
         if isinstance(request, OpenRequest):
             self._open(request, reply)
-        elif isinstance(request, StepRequest):
-            self._step(request, reply)
         else:
-            existed = self._close((request.owner, request.session), "the session was closed")
-            reply.answer(Closed(request.session, existed))
+            self._step(request, reply)
 
     def _open(self, request: OpenRequest, reply: _Reply) -> None:
         if request.max_tokens < 1:
             reply.answer(self._count(Failure(ErrorCode.BAD_REQUEST, "max_tokens must be >= 1")))
             return
         key = (request.owner, request.session)
-        outcome = self.scheduler.request_open(key, request.max_tokens, request.wait_ms, _now_ms(), (request, reply))
+        outcome = self.scheduler.request_open(
+            key, request.max_tokens, request.wait_ms, _now_ms(), (request, reply), owner=request.owner
+        )
         if isinstance(outcome, Rejection):
             self._reject(outcome, reply)
         elif not isinstance(outcome, Waiter):
@@ -498,6 +560,8 @@ class Engine:
     def _reject(self, why: Rejection, reply: _Reply) -> None:
         if why.code in (ErrorCode.KV_BUDGET, ErrorCode.SESSION_LIMIT, ErrorCode.BUSY, ErrorCode.SHUTTING_DOWN):
             self.telemetry.rejected[why.code] += 1
+        if why.quota is not None:
+            self.telemetry.quota_refused[why.quota] += 1
         reply.answer(self._count(Failure(why.code, why.message, why.retry_after_ms)))
 
     def _reject_waiter(self, waiter: Waiter, why: Rejection) -> None:
@@ -712,6 +776,9 @@ class Engine:
         self._drain_inbox(refuse=True)
         for pending in self._cleanups.values():  # the loop is gone, and with it every session
             pending.done.set()
+            request = pending.request
+            existed = isinstance(request, CloseRequest) and (request.owner, request.session) in self.scheduler.sessions
+            _tell(pending.listeners, existed)
         self._cleanups.clear()
 
     def _count(self, failure: Failure) -> Failure:
@@ -761,12 +828,27 @@ class Engine:
             "decode_no_kv_slot_total": t.no_kv_slot_total,
             "cleanups_total": t.cleanups_total,
             "cleanups_pending": len(self._cleanups),
+            "inbox_size": self.config.inbox_size,
+            "max_sessions_per_peer": s.config.sessions_per_owner,
+            "max_waiting_per_peer": s.config.waiting_per_owner,
+            "max_queued_per_peer": self.queued_per_peer,
+            "peer_quota_refused_total": {q: t.quota_refused[q] for q in ("sessions", "waiting", "queued")},
             "draining": self.draining,
         }
 
 
 def _now_ms() -> float:
     return time.monotonic() * 1000
+
+
+def _tell(listeners: list[ClosedListener], existed: bool) -> None:
+    """Tell each close whether its session existed: the first merged close closed it, if anyone did."""
+    for listener in listeners:
+        try:
+            listener(existed)
+        except Exception:  # a listener's bug must not stop the batch loop
+            log.exception("a close listener failed")
+        existed = False
 
 
 @asynccontextmanager

@@ -14,6 +14,12 @@ plans it returns, and reports back. The policy (DESIGN.md):
   retry estimate. An open that fits is admitted even while larger ones wait, but no
   waiting open is overtaken more than `max_overtakes` times: from then on it holds
   admission until it fits or expires, so small opens cannot starve a large one.
+- Per-owner quotas (an owner is a connection): open sessions, and waiting opens. An open
+  whose owner holds its quota of sessions is refused at once, never queued; a waiting
+  open whose owner has reached it by its turn is refused then, never admitted. One over
+  its owner's waiting quota is refused as if the waiting places were all taken. Unset,
+  they are the node's own limits: one owner (a chain's head forwarding all its sessions)
+  may use the whole node.
 - Queued payload bytes are bounded; over the budget a step is `busy` at once.
 - Micro-batches (`micro_batches` > 1, a chain's head): every session belongs to one of
   that many groups for its whole life (admitted to the smallest), and an iteration runs
@@ -27,13 +33,14 @@ plans it returns, and reports back. The policy (DESIGN.md):
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from protocol.errors import ErrorCode
 
 SessionKey = Any  # any hashable; the engine uses (connection, session id)
+Owner = Hashable  # who an open counts against for the per-owner quotas; the engine: the connection
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +48,7 @@ class Rejection:
     code: ErrorCode
     message: str
     retry_after_ms: int | None = None
+    quota: str | None = None  # the per-owner quota that refused it: "sessions" or "waiting"
 
 
 # llama.cpp's CPU flash attention tiles calls of 64 or more query rows over the KV cells in
@@ -64,8 +72,20 @@ class SchedulerConfig:
     max_wait_ms: int = 60_000  # an open's wait_ms is capped to this
     max_overtakes: int = 4  # opens admitted ahead of a waiting one before it blocks admission
     micro_batches: int = 1  # session groups, each run in calls of its own (1: one call for all)
+    max_sessions_per_owner: int | None = None  # open sessions; None: max_sessions
+    max_waiting_per_owner: int | None = None  # waiting opens; None: max_waiting_opens
+
+    @property
+    def sessions_per_owner(self) -> int:
+        return self.max_sessions if self.max_sessions_per_owner is None else self.max_sessions_per_owner
+
+    @property
+    def waiting_per_owner(self) -> int:
+        return self.max_waiting_opens if self.max_waiting_per_owner is None else self.max_waiting_per_owner
 
     def __post_init__(self) -> None:
+        if self.sessions_per_owner < 1 or self.waiting_per_owner < 0:
+            raise ValueError("need max_sessions_per_owner >= 1 and max_waiting_per_owner >= 0")
         if self.micro_batches < 1:
             raise ValueError(f"need micro_batches >= 1, not {self.micro_batches}")
         if not 1 <= self.max_sessions <= self.n_batch:
@@ -116,6 +136,7 @@ class Session:
     step: Step | None = None
     last_active_ms: float = 0.0
     group: int = 0  # its micro-batch, fixed at admission
+    owner: Owner = None
 
 
 @dataclass(slots=True)
@@ -125,6 +146,7 @@ class Waiter:
     deadline_ms: float
     payload: object = None
     overtaken: int = 0  # opens admitted while this one waited ahead of them
+    owner: Owner = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,9 +221,24 @@ class Scheduler:
         free = self.config.kv_cells - self.kv_reserved - self.kv_held
         return len(self.sessions) < self.config.max_sessions and max_tokens <= free
 
+    def _at_quota(self, owner: Owner) -> bool:
+        """Whether the owner holds its quota of sessions. A quota as large as the node's own limit
+        is none: the node's limit answers then (an open may wait for room, as on any full node)."""
+        quota = self.config.sessions_per_owner
+        return quota < self.config.max_sessions and self.held_by(owner)[0] >= quota
+
+    def _over_quota(self) -> Rejection:
+        n = self.config.sessions_per_owner
+        return Rejection(ErrorCode.SESSION_LIMIT, f"this connection holds its quota of {n} sessions", self._retry_ms(),
+                         quota="sessions")  # fmt: skip
+
+    def _retry_ms(self) -> int:
+        """When room for an open may free up: about a session's life shared by the sessions open."""
+        return int(min(60_000, max(self.estimates.step_ms, self.estimates.session_ms / max(1, len(self.sessions)))))
+
     def _shortage(self, max_tokens: int) -> Rejection:
         cfg = self.config
-        retry = int(min(60_000, max(self.estimates.step_ms, self.estimates.session_ms / max(1, len(self.sessions)))))
+        retry = self._retry_ms()
         if len(self.sessions) >= cfg.max_sessions:
             return Rejection(
                 ErrorCode.SESSION_LIMIT, f"the node holds its maximum of {cfg.max_sessions} sessions", retry
@@ -210,34 +247,46 @@ class Scheduler:
         return Rejection(ErrorCode.KV_BUDGET, f"{max_tokens} KV cells requested, {free} of {cfg.kv_cells} free", retry)
 
     def request_open(
-        self, key: SessionKey, max_tokens: int, wait_ms: int, now_ms: float, payload: object = None
+        self, key: SessionKey, max_tokens: int, wait_ms: int, now_ms: float, payload: object = None, owner: Owner = None
     ) -> Session | Waiter | Rejection:
         """Admit now, queue for up to `wait_ms`, or reject with a reason."""
+        cfg = self.config
         if self.shutting_down:
             return Rejection(ErrorCode.SHUTTING_DOWN, "the node is draining")
         if key in self.sessions or any(w.key == key for w in self.waiting):
             return Rejection(ErrorCode.SESSION_EXISTS, "a session with this id is open")
-        if max_tokens > self.config.kv_cells:
-            return Rejection(
-                ErrorCode.KV_BUDGET, f"max_tokens {max_tokens} exceeds the node's {self.config.kv_cells} cells"
-            )
+        if max_tokens > cfg.kv_cells:
+            return Rejection(ErrorCode.KV_BUDGET, f"max_tokens {max_tokens} exceeds the node's {cfg.kv_cells} cells")
+        if self._at_quota(owner):
+            return self._over_quota()
         if self._fits(max_tokens) and self._may_overtake():
             for w in self.waiting:
                 w.overtaken += 1
-            return self._admit(key, max_tokens, now_ms)
-        wait_ms = min(wait_ms, self.config.max_wait_ms)
-        if wait_ms > 0 and len(self.waiting) < self.config.max_waiting_opens:
-            waiter = Waiter(key, max_tokens, now_ms + wait_ms, payload)
-            self.waiting.append(waiter)
-            return waiter
+            return self._admit(key, max_tokens, now_ms, owner)
+        wait_ms = min(wait_ms, cfg.max_wait_ms)
+        if wait_ms > 0 and len(self.waiting) < cfg.max_waiting_opens:
+            if self.held_by(owner)[1] < cfg.waiting_per_owner:
+                waiter = Waiter(key, max_tokens, now_ms + wait_ms, payload, owner=owner)
+                self.waiting.append(waiter)
+                return waiter
+            short = self._shortage(max_tokens)
+            quota = f"; this connection already has its quota of {cfg.waiting_per_owner} waiting opens"
+            return Rejection(short.code, short.message + quota, short.retry_after_ms, quota="waiting")
         return self._shortage(max_tokens)
 
-    def _admit(self, key: SessionKey, max_tokens: int, now_ms: float) -> Session:
+    def held_by(self, owner: Owner) -> tuple[int, int]:
+        """The owner's open sessions and waiting opens (counted, not tracked: nothing to drift)."""
+        return (
+            sum(1 for s in self.sessions.values() if s.owner == owner),
+            sum(1 for w in self.waiting if w.owner == owner),
+        )
+
+    def _admit(self, key: SessionKey, max_tokens: int, now_ms: float, owner: Owner) -> Session:
         sizes = [0] * self.config.micro_batches
         for other in self.sessions.values():
             sizes[other.group] += 1
         group = sizes.index(min(sizes))
-        session = Session(key, max_tokens, opened_ms=now_ms, last_active_ms=now_ms, group=group)
+        session = Session(key, max_tokens, opened_ms=now_ms, last_active_ms=now_ms, group=group, owner=owner)
         self.sessions[key] = session
         self.kv_reserved += max_tokens
         return session
@@ -249,33 +298,45 @@ class Scheduler:
 
     def poll_waiting(self, now_ms: float) -> tuple[list[tuple[Waiter, Session]], list[tuple[Waiter, Rejection]]]:
         """Admit, oldest first, the waiters that fit (bounded overtaking); expire those past their
-        deadline (and admit again behind an expired one that held admission)."""
-        admitted = self._admit_waiting(now_ms)
+        deadline (and admit again behind an expired one that held admission). A waiter whose turn
+        comes while its owner holds its quota of sessions is refused with the expired ones."""
         expired: list[tuple[Waiter, Rejection]] = []
+        admitted = self._admit_waiting(now_ms, expired)
         for w in list(self.waiting):
             if self.shutting_down or w.deadline_ms <= now_ms:
                 self.waiting.remove(w)
                 why = Rejection(ErrorCode.SHUTTING_DOWN, "the node is draining") if self.shutting_down else None
                 expired.append((w, why or self._shortage(w.max_tokens)))
         if expired:
-            admitted += self._admit_waiting(now_ms)
+            admitted += self._admit_waiting(now_ms, expired)
         return admitted, expired
 
-    def _admit_waiting(self, now_ms: float) -> list[tuple[Waiter, Session]]:
+    def _admit_waiting(self, now_ms: float, refused: list[tuple[Waiter, Rejection]]) -> list[tuple[Waiter, Session]]:
         admitted: list[tuple[Waiter, Session]] = []
         i = 0
         while i < len(self.waiting) and not self.shutting_down:
             w = self.waiting[i]
-            if self._fits(w.max_tokens) and (i == 0 or self._may_overtake()):
+            turn = self._fits(w.max_tokens) and (i == 0 or self._may_overtake())
+            if turn and self._at_quota(w.owner):
+                del self.waiting[i]  # not an admission: nobody was overtaken
+                refused.append((w, self._over_quota()))
+            elif turn:
                 del self.waiting[i]
                 for ahead in list(self.waiting)[:i]:
                     ahead.overtaken += 1
-                admitted.append((w, self._admit(w.key, w.max_tokens, now_ms)))
+                admitted.append((w, self._admit(w.key, w.max_tokens, now_ms, w.owner)))
             elif self._may_overtake():
                 i += 1
             else:
                 break
         return admitted
+
+    def drop_waiting(self, owner: Owner) -> list[Waiter]:
+        """Forget the owner's waiting opens (its connection is gone); they are returned to be answered."""
+        dropped = [w for w in self.waiting if w.owner == owner]
+        for w in dropped:
+            self.waiting.remove(w)
+        return dropped
 
     def next_deadline_ms(self) -> float | None:
         return min((w.deadline_ms for w in self.waiting), default=None)

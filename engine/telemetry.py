@@ -60,6 +60,7 @@ class Telemetry:
 
     admissions_total: int = 0
     rejected: Counter[str] = field(default_factory=Counter)
+    quota_refused: Counter[str] = field(default_factory=Counter)  # by per-connection quota
     errors: Counter[str] = field(default_factory=Counter)
     batches_total: int = 0
     batch_rows_last: int = 0

@@ -101,6 +101,9 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
         max_waiting_opens=args.max_waiting,
         max_wait_ms=args.max_wait_ms,
         max_overtakes=args.max_overtakes,
+        max_sessions_per_peer=args.max_sessions_per_peer,
+        max_waiting_per_peer=args.max_waiting_per_peer,
+        max_queued_per_peer=args.max_queued_per_peer,
         kv_cells=args.kv_cells,
         n_batch=args.n_batch,
         n_ubatch=min(args.n_batch, args.n_ubatch),
@@ -298,6 +301,26 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-wait-ms", type=int, default=60_000, help="cap on an open's wait_ms")
     serve.add_argument(
         "--max-overtakes", type=int, default=4, help="opens admitted ahead of a waiting open before it holds admission"
+    )
+    serve.add_argument(
+        "--max-sessions-per-peer",
+        type=int,
+        default=None,
+        help="sessions one connection may hold open (default: --max-sessions; a chain's head sends all "
+        "its sessions over one connection, so a next stage must not cap it below the head's --max-sessions)",
+    )
+    serve.add_argument(
+        "--max-waiting-per-peer",
+        type=int,
+        default=None,
+        help="opens of one connection that may wait (default: --max-waiting)",
+    )
+    serve.add_argument(
+        "--max-queued-per-peer",
+        type=int,
+        default=None,
+        help="opens and steps of one connection queued for the engine at once; beyond it, busy "
+        "(default: half the engine's inbox of 256, at least --max-sessions)",
     )
     serve.add_argument(
         "--max-text-bytes", type=int, default=2**20, help="largest tokenize text (UTF-8 bytes); bounds headers too"

@@ -2,8 +2,9 @@
 
 The node's handler task for a `generate` owns the run: it steps the session, feeds each
 sampled token back as the next step, and streams the tokens. Other requests reach the
-run only through `Generation`: `cancel` and `close` ask it to stop and wait until it
-has answered `done`, so their own replies come after it.
+run only through `Generation`: `cancel` asks it to stop and waits until it has answered
+`done`; `close` asks it to stop and have the session closed once it has. Either way
+their own replies come after the `done`.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class Generation:
     cancel: trio.Event = field(default_factory=trio.Event)
     finished: trio.Event = field(default_factory=trio.Event)
     length: int = 0  # the session's length once finished
+    close_after: bool = False  # a `close` waits for the run's end: the node closes the session then
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 PREFIX = "neuron_tai_"
 COUNTERS = ("auth_failures_total", "admissions_total", "batches_total", "prefill_tokens_total", "decode_tokens_total")
-LABELLED = {"admissions_rejected_total": "reason", "errors_total": "code"}
+LABELLED = {"admissions_rejected_total": "reason", "errors_total": "code", "peer_quota_refused_total": "quota"}
 
 
 class SnapshotCollector(Collector):

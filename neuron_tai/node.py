@@ -6,9 +6,11 @@
 
 One pump task owns the ROUTER socket: it decodes and validates each message within
 the wire limits and answers at once what needs no waiting (ping, stats, errors).
-Each open, step, generate and close becomes one handler task in the node's nursery that
+Each open, step and generate becomes one handler task in the node's nursery that
 awaits the engine, then (with `next` set) the next stage, then replies: a chain looks
-like one node to a client. A generate's task runs the token loop itself: every token
+like one node to a client. A close is never a task and never refused: it is answered
+at once when there is nothing to close, else once the engine's cleanup path has freed
+the session. A generate's task runs the token loop itself: every token
 is one ordinary engine step (so it batches with every other session's), fed the token
 the step before it sampled. Tokenize and detokenize, whose work grows with their input,
 are handler tasks too and run on a worker thread, never on the event loop. Handler
@@ -37,7 +39,6 @@ import zmq
 
 from engine.engine import Engine, EngineConfig, open_engine
 from engine.messages import (
-    Closed,
     CloseRequest,
     DropOwner,
     Failure,
@@ -178,6 +179,9 @@ class Node:
         self.handlers_idle = trio.Event()
         self.handlers_idle.set()
         self.generations: dict[tuple[bytes, str], Generation] = {}  # running generates, by session
+        # Sessions whose close is under way (waiting for its run to end, or for the engine): the
+        # close's rid. One per session: a second close of it is answered at once.
+        self.closing: dict[tuple[bytes, str], int] = {}
         self.generated_tokens = 0
         self.limits = wire.request_limits(config.max_text_bytes)
         # One tokenizer call at a time on a worker thread: the vocabulary is read-only in
@@ -261,6 +265,7 @@ class Node:
         stats["handlers_active"] = self.handlers
         stats["handlers_refused_total"] = self.handlers_refused
         stats["generations_active"] = len(self.generations)
+        stats["closes_pending"] = len(self.closing)
         stats["generated_tokens_total"] = self.generated_tokens
         stats["lease_ms"] = round(self.config.lease_s * 1000)
         stats["leases_expired_total"] = self.leases_expired
@@ -329,7 +334,7 @@ class Node:
         elif isinstance(request, wire.Cancel):
             self._start_cancel(peer, request)
         else:
-            self._spawn(peer, rid, self._close, request)
+            self._start_close(peer, request)
 
     def _spawn(
         self,
@@ -598,6 +603,8 @@ class Node:
         if self.generations.get(key) is run:
             del self.generations[key]
         self._step_done(key)
+        if run.close_after:  # its `done` is out: now the close it was stopped for
+            self._close_in_engine(key)
 
     async def _generate(self, peer: bytes, req: wire.Generate, *, run: Generation, hold: Held) -> None:
         """Step, sample, feed the token back, until a token or `cancel` ends the run; stream as it goes.
@@ -691,18 +698,35 @@ class Node:
             return None
         return await self.next.request(header, payload)
 
-    async def _close(self, peer: bytes, req: wire.Close) -> None:
-        run = self.generations.get((peer, req.session))
-        if run is not None:  # its `done` goes out before `closed`
-            run.cancel.set()
-            await run.finished.wait()
-        result = await self.engine.request(CloseRequest(peer, req.session))
-        if isinstance(result, Failure):
-            self._failure(peer, req.rid, result)
+    def _start_close(self, peer: bytes, req: wire.Close) -> None:
+        """Never refused, never a task. Nothing to close (or its close already under way):
+        `existed: false` at once. Otherwise the engine's cleanup path closes it (after its
+        run, if it is generating, has answered `done`) and then it is answered. At most one
+        close per session waits, so a flood of closes holds no more than the sessions do."""
+        key = (peer, req.session)
+        run = self.generations.get(key)
+        if key in self.closing or (run is None and self.engine.max_tokens_of(peer, req.session) is None):
+            self._closed(peer, req.rid, req.session, existed=False)
             return
-        assert isinstance(result, Closed)
-        header = {"op": "closed", "rid": req.rid, "session": req.session, "existed": result.existed}
-        self._send(peer, wire.encode(header))  # the engine has closed it on the next stage too
+        self.closing[key] = req.rid
+        if run is None:
+            self._close_in_engine(key)
+        else:
+            run.close_after = True
+            run.cancel.set()
+
+    def _close_in_engine(self, key: tuple[bytes, str]) -> None:
+        peer, session = key
+
+        def answer(existed: bool) -> None:  # in the engine task, once it has closed the session
+            rid = self.closing.pop(key, None)
+            if rid is not None:
+                self._closed(peer, rid, session, existed)  # its close on the next stage is queued by then
+
+        self.engine.cleanup_nowait(CloseRequest(peer, session), answer)
+
+    def _closed(self, peer: bytes, rid: int, session: str, existed: bool) -> None:
+        self._send(peer, wire.encode({"op": "closed", "rid": rid, "session": session, "existed": existed}))
 
     def _session_freed(self, peer: bytes, session: str) -> None:
         """The engine freed a session (closed, lease run out, peer gone, rollback failed, ...):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,7 @@ from engine.budgets import BudgetError, Limits
 from engine.engine import Engine, EngineConfig, open_engine
 from engine.kernels import INVARIANT_PAD_ROWS
 from engine.messages import (
+    Closed,
     CloseRequest,
     DropOwner,
     Failure,
@@ -297,6 +300,105 @@ async def test_cleanups_are_taken_when_the_inbox_is_full_and_while_draining(tiny
 
 async def _append(into: list[Result], result: Any) -> None:
     into.append(await result)
+
+
+@contextmanager
+def held_decodes(engine: Engine) -> Iterator[tuple[threading.Event, threading.Event]]:
+    """Every llama_decode waits for `release` (after setting `entered`): the loop stays mid-step
+    and takes nothing from its inbox meanwhile."""
+    entered, release = threading.Event(), threading.Event()
+    original = engine.backend.decode
+
+    def held(segments: Any) -> Any:  # runs on the compute thread
+        entered.set()
+        release.wait(60)
+        return original(segments)
+
+    engine.backend.decode = held  # type: ignore[method-assign]
+    try:
+        yield entered, release
+    finally:
+        release.set()
+        engine.backend.decode = original  # type: ignore[method-assign]
+
+
+async def test_an_owner_past_its_share_of_the_inbox_is_busy_while_others_are_taken(tiny_model: Path) -> None:
+    cfg = config(tiny_model, inbox_size=8, max_queued_per_peer=3)
+    async with open_engine(cfg) as engine:
+        for owner in ("a", "b"):
+            assert isinstance(await engine.request(OpenRequest(owner, "s", 100)), Opened)
+        flood: list[Result] = []
+        other: list[Result] = []
+        with held_decodes(engine) as (entered, release):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_append, flood, engine.request(StepRequest("a", "s", 0, Output.TOKEN,
+                                                                              tokens=tokens([1, 5]))))  # fmt: skip
+                while not entered.is_set():
+                    await trio.sleep(0.001)
+                for i in range(5):  # the loop is inside llama_decode: the inbox is not drained meanwhile
+                    step = StepRequest("a", f"x{i}", 0, Output.TOKEN, tokens=tokens([1]))
+                    nursery.start_soon(_append, flood, engine.request(step))
+                while len(flood) < 2:
+                    await trio.sleep(0.001)
+                nursery.start_soon(_append, other, engine.request(StepRequest("b", "s", 0, Output.TOKEN,
+                                                                              tokens=tokens([1, 5]))))  # fmt: skip
+                await trio.sleep(0.05)
+                assert not other, "another owner's step was answered while the loop was held"
+                release.set()
+        busy = [r for r in flood if isinstance(r, Failure) and r.code == "busy"]
+        assert len(busy) == 2 and all("quota of 3 requests" in f.message and f.retry_after_ms for f in busy)
+        codes = sorted(r.code for r in flood if isinstance(r, Failure) and r.code != "busy")
+        assert codes == ["unknown_session"] * 3 and sum(isinstance(r, StepDone) for r in flood) == 1
+        assert len(other) == 1 and isinstance(other[0], StepDone)
+        stats = engine.stats()
+        assert stats["max_queued_per_peer"] == 3 and stats["inbox_size"] == 8
+        assert stats["peer_quota_refused_total"] == {"sessions": 0, "waiting": 0, "queued": 2}
+        assert engine.config.queued_per_peer() == 3
+        assert replace(cfg, max_queued_per_peer=None).queued_per_peer() == 8  # half the inbox, at least max_sessions
+
+
+async def test_closes_are_never_refused_and_duplicates_merge(tiny_model: Path) -> None:
+    async with open_engine(config(tiny_model, inbox_size=1)) as engine:
+        for name in ("s0", "s1"):
+            assert isinstance(await engine.request(OpenRequest("c", name, 100)), Opened)
+        results: list[Result] = []
+        refused: list[Result] = []
+        with held_decodes(engine) as (entered, release):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_append, results, engine.request(StepRequest("c", "s0", 0, Output.TOKEN,
+                                                                                tokens=tokens([1, 5]))))  # fmt: skip
+                while not entered.is_set():
+                    await trio.sleep(0.001)
+                for i in range(3):  # the inbox holds one: the others are refused
+                    nursery.start_soon(_append, refused, engine.request(OpenRequest(f"z{i}", "x", 10)))
+                while len(refused) < 2:
+                    await trio.sleep(0.001)
+                for name in ("s1", "s1", "s1", "nope"):
+                    nursery.start_soon(_append, results, engine.request(CloseRequest("c", name)))
+                await trio.sleep(0.05)
+                assert engine.stats()["cleanups_pending"] == 2  # three closes of s1 are one
+                release.set()
+        assert [r.code for r in refused if isinstance(r, Failure)] == ["busy", "busy"]
+        closed = [r for r in results if isinstance(r, Closed)]
+        assert sorted((c.session, c.existed) for c in closed) == [("nope", False), ("s1", False), ("s1", False),
+                                                                  ("s1", True)]  # fmt: skip
+        assert engine.stats()["sessions_active"] == 2  # s0, and the session of the open that was queued
+
+
+async def test_a_gone_owner_s_waiting_open_is_answered(tiny_model: Path) -> None:
+    async with open_engine(config(tiny_model, max_sessions=1)) as engine:
+        assert isinstance(await engine.request(OpenRequest("a", "s", 100)), Opened)
+        answer: list[Result] = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_append, answer, engine.request(OpenRequest("x", "w", 100, wait_ms=60_000)))
+            while engine.stats()["sessions_waiting"] == 0:
+                await trio.sleep(0.001)
+            await engine.cleanup(DropOwner("x"))
+            with trio.fail_after(10):  # answered, not left hanging
+                while not answer:
+                    await trio.sleep(0.001)
+        assert isinstance(answer[0], Failure) and answer[0].code == "unknown_session"
+        assert engine.stats()["sessions_waiting"] == 0 and engine.stats()["sessions_active"] == 1
 
 
 async def test_sampling_through_the_engine_is_seeded(tiny_model: Path) -> None:

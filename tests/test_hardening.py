@@ -8,8 +8,10 @@ What the node holds for an attacker is read from its own `stats`, never from its
 from __future__ import annotations
 
 import itertools
+import threading
 import time
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -358,3 +360,142 @@ def test_a_flood_of_big_payloads_is_busy_beyond_the_byte_bounds_and_nothing_acce
     finally:
         fake_next.close()
         ctx.destroy(linger=0)
+
+
+def generate_by_steps(peer: Peer, session: str, steps: int) -> int:
+    """A client-side generation of `steps` tokens after a short prompt, one `step` per token;
+    `busy` answers are retried after `retry_after_ms`. Returns how many there were."""
+    busy = 0
+    pos, feed = 0, [1, 5, 9, 13]
+    for _ in range(steps + 1):
+        while True:
+            answer, frames = peer.request("step", np.array(feed, "<i4").tobytes(), session=session, pos=pos,
+                                          n=len(feed), input="tokens", out="token")  # fmt: skip
+            if answer["op"] == "result":
+                break
+            assert answer["code"] == "busy", answer
+            busy += 1
+            time.sleep(answer["retry_after_ms"] / 1000)
+        pos, feed = pos + len(feed), [int(np.frombuffer(frames[0], "<i4")[0])]
+    return busy
+
+
+def flooding(
+    peer: Peer, make: Callable[[int], int], burst: int
+) -> tuple[threading.Event, threading.Thread, Counter[str]]:
+    """A thread that sends `burst` requests (`make(i)` sends the i-th) and reads their replies,
+    over and over until told to stop; replies are tallied by op (and by code for errors)."""
+    stop, tally = threading.Event(), Counter[str]()
+
+    def run() -> None:
+        sent = 0
+        while not stop.is_set():
+            for _ in range(burst):
+                make(sent)
+                sent += 1
+            for _ in range(burst):
+                header, _ = peer.recv()
+                tally[header["op"] if header["op"] != "error" else header["code"]] += 1
+                tally["existed"] += header.get("existed") is True
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return stop, thread, tally
+
+
+def test_a_flood_of_closes_never_makes_another_peer_busy_and_is_never_busy(tiny_model: Path) -> None:
+    with node_process(tiny_model) as (node, ctx):
+        attacker, victim = Peer(ctx, node.address), Peer(ctx, node.address)
+        for session in ("a0", "a1"):
+            assert attacker.request("open", session=session, max_tokens=8)[0]["op"] == "opened"
+        assert victim.request("open", session="v", max_tokens=64)[0]["op"] == "opened"
+        names = ["a0", "a1", *(f"gone{i}" for i in range(50))]
+        stop, thread, tally = flooding(attacker, lambda i: attacker.send("close", session=names[i % len(names)]), 600)
+        try:
+            busy = generate_by_steps(victim, "v", 40)
+        finally:
+            stop.set()
+            thread.join()
+        assert busy == 0, f"the victim's generation was answered busy {busy} times"
+        assert set(tally) == {"closed", "existed"} and tally["closed"] >= 600, tally
+        assert tally["existed"] == 2, "each of the attacker's sessions was closed once, by the first close"
+        stats = victim.request("stats")[0]["stats"]
+        assert stats["sessions_active"] == 1 and stats["closes_pending"] == 0
+        assert stats["handlers_refused_total"] == 0 and "busy" not in stats["errors_total"]
+
+
+def test_a_flood_of_opens_and_steps_never_makes_another_peer_busy(tiny_model: Path) -> None:
+    with node_process(tiny_model) as (node, ctx):
+        attacker, victim = Peer(ctx, node.address), Peer(ctx, node.address)
+        assert victim.request("open", session="v", max_tokens=64)[0]["op"] == "opened"
+        one = np.array([1], "<i4").tobytes()
+
+        def send(i: int) -> int:
+            if i % 4 == 0:
+                return attacker.send("open", session=f"o{i % 64}", max_tokens=4)
+            return attacker.send("step", one, session=f"x{i}", pos=0, n=1, input="tokens", out="token")
+
+        stop, thread, tally = flooding(attacker, send, 600)
+        try:
+            busy = generate_by_steps(victim, "v", 40)
+        finally:
+            stop.set()
+            thread.join()
+        assert busy == 0, f"the victim's generation was answered busy {busy} times"
+        assert tally["unknown_session"] > 0 and tally["opened"] == 3, tally  # the node holds 4 sessions
+        stats = victim.request("stats")[0]["stats"]
+        assert stats["max_queued_per_peer"] == 128 and stats["inbox_size"] == 256
+        assert stats["peer_quota_refused_total"]["queued"] + stats["handlers_refused_total"] == tally["busy"]
+
+
+def test_per_connection_quotas_answer_as_documented(tiny_model: Path) -> None:
+    flags = ("--max-sessions-per-peer", "2", "--max-waiting-per-peer", "1")
+    with node_process(tiny_model, *flags) as (node, ctx):  # the node holds 4 sessions
+        a, b, c, d = (Peer(ctx, node.address) for _ in range(4))
+        for peer, names in ((a, ("a1", "a2")), (b, ("b1", "b2"))):
+            for name in names:
+                assert peer.request("open", session=name, max_tokens=8)[0]["op"] == "opened"
+        third, _ = a.request("open", session="a3", max_tokens=8, wait_ms=60_000)
+        assert third["code"] == "session_limit" and third["retry_after_ms"] > 0  # at once, despite wait_ms
+        assert "quota of 2 sessions" in third["message"]
+
+        def waiting_opens(n: int) -> None:
+            for _ in range(3000):
+                if a.request("stats")[0]["stats"]["sessions_waiting"] == n:
+                    return
+                time.sleep(0.01)
+            raise AssertionError(f"never {n} waiting opens")
+
+        waiting = c.send("open", session="c1", max_tokens=8, wait_ms=60_000)  # the node is full: it waits
+        waiting_opens(1)
+        second, _ = c.request("open", session="c2", max_tokens=8, wait_ms=60_000)
+        assert second["code"] == "session_limit" and "quota of 1 waiting opens" in second["message"]
+        d_waiting = d.send("open", session="d1", max_tokens=8, wait_ms=60_000)  # another connection still waits
+        waiting_opens(2)
+        assert a.request("close", session="a1")[0]["existed"] is True
+        admitted, _ = c.recv()
+        assert admitted["rid"] == waiting and admitted["op"] == "opened"
+        assert a.request("close", session="a2")[0]["existed"] is True
+        admitted, _ = d.recv()
+        assert admitted["rid"] == d_waiting and admitted["op"] == "opened"
+        stats = a.request("stats")[0]["stats"]
+        assert (stats["max_sessions_per_peer"], stats["max_waiting_per_peer"], stats["max_queued_per_peer"]) == (
+            2, 1, 128)  # fmt: skip
+        assert stats["peer_quota_refused_total"] == {"sessions": 1, "waiting": 1, "queued": 0}
+        assert stats["admissions_rejected_total"]["session_limit"] == 2
+
+
+def test_the_default_quotas_let_a_chain_head_use_its_whole_next_stage(tiny_shards2: list[Path]) -> None:
+    """A head forwards every session over one connection: the next stage's defaults must not cap it."""
+    with node_process(tiny_shards2[1]) as (tail, ctx), node_process(tiny_shards2[0], "--next", tail.address) as (
+        head, _):  # fmt: skip
+        clients = [Peer(ctx, head.address) for _ in range(4)]  # the nodes hold 4 sessions each
+        for client in clients:
+            assert client.request("open", session="s", max_tokens=16)[0]["op"] == "opened"
+        prompt = np.array([1, 5, 9], "<i4").tobytes()
+        for client in clients:  # all at once: the head forwards them together
+            client.send("step", prompt, session="s", pos=0, n=3, input="tokens", out="token")
+        assert [client.recv()[0]["op"] for client in clients] == ["result"] * 4
+        stats = Peer(ctx, tail.address).request("stats")[0]["stats"]
+        assert stats["sessions_active"] == 4 and stats["max_sessions_per_peer"] == 4
+        assert stats["peer_quota_refused_total"] == {"sessions": 0, "waiting": 0, "queued": 0}

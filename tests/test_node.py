@@ -453,7 +453,8 @@ def test_prometheus_endpoint_has_the_telemetry_names(tiny_model: Path) -> None:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
         for name in ("sessions_active", "queue_depth", "batch_occupancy", "kv_pressure", "kv_budget_bytes",
                      "decode_tokens_per_s", "step_seconds_bucket", "admissions", "auth_failures_total", "send_hwm",
-                     "reply_bytes", "max_reply_bytes", "request_bytes", "max_peer_request_bytes"):  # fmt: skip
+                     "reply_bytes", "max_reply_bytes", "request_bytes", "max_peer_request_bytes",
+                     "peer_quota_refused"):  # fmt: skip
             assert f"neuron_tai_{name}" in text, name
         assert node.stop() == 0
 

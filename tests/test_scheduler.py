@@ -184,6 +184,73 @@ def test_an_expired_open_that_held_admission_lets_the_others_in() -> None:
     assert [w.key for w, _ in expired] == ["big"] and [w.key for w, _ in admitted] == ["small"]
 
 
+def test_per_owner_quotas_refuse_with_their_reason_and_leave_other_owners_alone() -> None:
+    s = Scheduler(replace(CFG, max_sessions=8, kv_cells=100, max_sessions_per_owner=2, max_waiting_per_owner=1))
+    assert isinstance(s.request_open("a1", 20, 0, 0.0, owner="a"), Session)
+    big = s.request_open("a2", 85, 1000, 0.0, owner="a")  # waits for cells
+    assert isinstance(big, Waiter)
+    assert isinstance(s.request_open("a3", 1, 1000, 0.0, owner="a"), Session) and s.held_by("a") == (2, 1)
+    over = s.request_open("a4", 1, 1000, 0.0, owner="a")  # fits, yet a holds its 2: refused at once, not queued
+    assert isinstance(over, Rejection) and over.code is ErrorCode.SESSION_LIMIT and over.quota == "sessions"
+    assert "quota of 2 sessions" in over.message and over.retry_after_ms and big.overtaken == 1
+    assert isinstance(s.request_open("b1", 80, 1000, 0.0, owner="b"), Waiter)  # another owner may wait...
+    second = s.request_open("b2", 80, 1000, 0.0, owner="b")  # ... once
+    assert isinstance(second, Rejection) and second.code is ErrorCode.KV_BUDGET and second.quota == "waiting"
+    assert "quota of 1 waiting opens" in second.message and second.retry_after_ms
+    assert isinstance(s.request_open("c1", 5, 0, 0.0, owner="c"), Session)  # and a third is admitted
+    s.close("a1", 1.0)  # room for a2's cells, but a is back at its quota before a2's turn:
+    assert isinstance(s.request_open("a5", 1, 0, 1.0, owner="a"), Session)
+    admitted, refused = s.poll_waiting(2.0)  # a2 is refused, never admitted; b1 behind it is
+    assert [w.key for w, _ in admitted] == ["b1"] and [w.key for w, _ in refused] == ["a2"]
+    assert refused[0][1].quota == "sessions" and refused[0][1].code is ErrorCode.SESSION_LIMIT
+    assert s.held_by("a") == (2, 0) and not s.waiting
+
+
+@given(quota=st.integers(1, 4), held=st.integers(0, 3), more=st.integers(0, 4), overtakes=st.integers(0, 4))
+def test_an_open_that_waited_is_admitted_only_while_its_owner_is_under_its_quota(
+    quota: int, held: int, more: int, overtakes: int
+) -> None:
+    """Owner a holds `held` sessions, waits for room with one more open, then asks for `more`
+    small ones at once; when room frees, the waiting one is admitted only if a is still under
+    its quota (else refused, naming it), and a never holds more than its quota."""
+    held = min(held, quota - 1)
+    s = Scheduler(replace(CFG, max_sessions=12, kv_cells=100, max_sessions_per_owner=quota, max_overtakes=overtakes))
+    assert isinstance(s.request_open("blocker", 60, 0, 0.0, owner="z"), Session)
+    for i in range(held):
+        assert isinstance(s.request_open(f"a{i}", 1, 0, 0.0, owner="a"), Session)
+    waiter = s.request_open("wait", 50, 1000, 0.0, owner="a")
+    assert isinstance(waiter, Waiter)
+    for i in range(more):
+        under = s.held_by("a")[0] < quota
+        r = s.request_open(f"more{i}", 1, 0, 0.0, owner="a")
+        assert isinstance(r, Session) == (under and i < overtakes), r  # bounded overtaking still holds
+        assert not isinstance(r, Waiter)
+        if isinstance(r, Rejection):  # wait_ms 0: a refusal, naming the quota only when it was the quota
+            assert r.quota == (None if under else "sessions")
+        assert s.held_by("a")[0] <= quota
+    s.close("blocker", 1.0)
+    admitted, refused = s.poll_waiting(1.0)
+    if s.held_by("a")[0] - len(admitted) < quota:
+        assert [w.key for w, _ in admitted] == ["wait"] and not refused
+    else:
+        assert not admitted and [(w.key, why.quota) for w, why in refused] == [("wait", "sessions")]
+        assert f"quota of {quota} sessions" in refused[0][1].message
+    assert s.held_by("a")[0] <= quota and not s.waiting
+
+
+def test_per_owner_quotas_default_to_the_node_limits() -> None:
+    s = Scheduler(replace(CFG, max_sessions=4))
+    assert (s.config.sessions_per_owner, s.config.waiting_per_owner) == (4, CFG.max_waiting_opens)
+    for i in range(4):  # one owner (a chain's head) may hold every session
+        assert isinstance(s.request_open(f"s{i}", 10, 0, 0.0, owner="head"), Session)
+    waiting = s.request_open("s4", 10, 1000, 0.0, owner="head")  # and wait for room, as on any full node
+    assert isinstance(waiting, Waiter)
+    full = s.request_open("s5", 10, 0, 0.0, owner="head")
+    assert isinstance(full, Rejection) and full.code is ErrorCode.SESSION_LIMIT and full.quota is None
+    with pytest.raises(ValueError, match="per_owner"):
+        replace(CFG, max_sessions_per_owner=0)
+
+
 def test_failure_rolls_sessions_back_to_step_start() -> None:
     s = Scheduler(CFG)
     opened(s, "a")
@@ -269,17 +336,24 @@ def test_micro_batches_carry_their_own_prefill_and_pad_each_invariant_call() -> 
     assert plan is not None and [(call.rows, call.pad_rows) for call in plan.calls] == [(4, 2), (4, 3)]
 
 
-class SchedulerMachine(RuleBasedStateMachine):
-    """Random opens, steps (decodes, prefills, rewinds), runs, failures and closes."""
+OWNERS = ("a", "b", "c")
+
+
+class AdmissionMachine(RuleBasedStateMachine):
+    """Random opens from three owners (with per-owner quotas), waits, expiries, closes and
+    gone owners: admission alone, so hypothesis explores its corners (an open that waited
+    while its owner reached its quota, say) without the steps' rules diluting them."""
 
     micro_batches = 1
+    quotas: tuple[int | None, int | None] = (2, 2)  # per owner: sessions, waiting opens
 
     def __init__(self) -> None:
         super().__init__()
         self.cfg = SchedulerConfig(
             max_sessions=5, kv_cells=120, n_batch=8, max_prefill_tokens=5, max_step_tokens=20,
             queue_budget_bytes=200, batch_invariant=False, max_wait_ms=100, max_overtakes=2,
-            micro_batches=self.micro_batches,
+            micro_batches=self.micro_batches, max_waiting_opens=5, max_sessions_per_owner=self.quotas[0],
+            max_waiting_per_owner=self.quotas[1],
         )  # fmt: skip
         self.s = Scheduler(self.cfg)
         self.now = 0.0
@@ -290,6 +364,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         # admitted while each waited ahead of them.
         self.queue: dict[str, int] = {}
         self.groups: dict[str, int] = {}  # the model: a session's micro-batch, from admission on
+        self.owner: dict[str, str] = {}  # the model: who opened each session or waiting open
+
+    def _held(self, owner: str) -> tuple[int, int]:
+        """The owner's open sessions and waiting opens, in the model."""
+        sessions = sum(1 for k in self.s.sessions if self.owner[k] == owner)
+        return sessions, sum(1 for k in self.queue if self.owner[k] == owner)
 
     def _grouped(self, session: Session) -> None:
         sizes = [0] * self.cfg.micro_batches
@@ -312,25 +392,47 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.queue.pop(key, None)
         self.lengths[key] = 0
 
-    @rule(max_tokens=st.integers(1, 70), wait=st.sampled_from([0, 0, 30, 10**6]))
-    def open(self, max_tokens: int, wait: int) -> None:
+    @rule(max_tokens=st.integers(1, 70), wait=st.sampled_from([0, 0, 30, 10**6]), owner=st.sampled_from(OWNERS))
+    def open(self, max_tokens: int, wait: int, owner: str) -> None:
+        """The whole admission decision, modelled: quota first, then fit and overtaking, then waiting."""
+        cfg = self.cfg
         self.keys += 1
         key = f"k{self.keys}"
-        head_holds = bool(self.queue) and next(iter(self.queue.values())) >= self.cfg.max_overtakes
+        self.owner[key] = owner
+        head_holds = bool(self.queue) and next(iter(self.queue.values())) >= cfg.max_overtakes
         fits = self._fits(max_tokens)
-        r = self.s.request_open(key, max_tokens, wait, self.now)
+        sessions, waiting = self._held(owner)
+        may_wait = wait > 0 and len(self.queue) < cfg.max_waiting_opens
+        r = self.s.request_open(key, max_tokens, wait, self.now, owner=owner)
         event("held by an overtaken open" if head_holds and fits else "no open held")
-        if isinstance(r, Session):
-            assert fits and not head_holds
+        if max_tokens > cfg.kv_cells:
+            assert isinstance(r, Rejection) and r.code is ErrorCode.KV_BUDGET and r.quota is None
+        elif sessions >= cfg.sessions_per_owner and cfg.sessions_per_owner < cfg.max_sessions:
+            event("owner at its session quota")
+            assert isinstance(r, Rejection) and r.code is ErrorCode.SESSION_LIMIT and r.quota == "sessions"
+            assert f"quota of {cfg.sessions_per_owner} sessions" in r.message and r.retry_after_ms
+        elif fits and not head_holds:
+            assert isinstance(r, Session), "an owner under its quota was not admitted to room that was free"
+            assert r.owner == owner
             self._admitted(key)
             self._grouped(r)
-        elif isinstance(r, Waiter):
-            assert r.deadline_ms <= self.now + self.cfg.max_wait_ms
-            assert not fits or head_holds, "an open that fits waited without a reason"
+        elif may_wait and waiting < cfg.waiting_per_owner:
+            assert isinstance(r, Waiter) and r.owner == owner
+            assert r.deadline_ms <= self.now + cfg.max_wait_ms
             self.queue[key] = 0
         else:
-            assert r.code in (ErrorCode.KV_BUDGET, ErrorCode.SESSION_LIMIT) and r.message
-            assert not fits or head_holds or max_tokens > self.cfg.kv_cells
+            assert isinstance(r, Rejection) and r.code in (ErrorCode.KV_BUDGET, ErrorCode.SESSION_LIMIT) and r.message
+            by_quota = may_wait and waiting >= cfg.waiting_per_owner
+            event("owner at its waiting quota" if by_quota else "no quota")
+            assert (r.quota == "waiting") == by_quota
+            assert (f"quota of {cfg.waiting_per_owner} waiting opens" in r.message) == by_quota
+
+    @precondition(lambda self: self.queue)
+    @rule(data=st.data())
+    def open_beside_a_waiting_one(self, data: st.DataObject) -> None:
+        """An owner with an open waiting opens a small session too (perhaps its last one)."""
+        owner = self.owner[data.draw(st.sampled_from(list(self.queue)))]
+        self.open(max_tokens=data.draw(st.integers(1, 5)), wait=0, owner=owner)
 
     @rule(data=st.data())
     def tick(self, data: st.DataObject) -> None:
@@ -338,8 +440,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         admitted, expired = self.s.poll_waiting(self.now)
         for _, session in admitted:
             self._grouped(session)
-        for _, why in expired:
+        for waiter, why in expired:
             assert why.code in (ErrorCode.KV_BUDGET, ErrorCode.SESSION_LIMIT) and why.retry_after_ms
+            if why.quota == "sessions":  # its turn came while its owner held its quota (sessions only grew since)
+                event("waiting open refused by its owner's quota")
+                assert self.s.held_by(waiter.owner)[0] >= self.cfg.sessions_per_owner
+            else:
+                assert why.quota is None and waiter.deadline_ms <= self.now
         for waiter, session in admitted:
             assert waiter.key == session.key
         for waiter, _ in expired:  # expired ones no longer count
@@ -354,6 +461,52 @@ class SchedulerMachine(RuleBasedStateMachine):
             if self._fits(w.max_tokens):
                 assert i > 0 and self.s.waiting[0].overtaken >= self.cfg.max_overtakes
             assert w.overtaken == self.queue[w.key]
+
+    @precondition(lambda self: self.s.sessions)
+    @rule(data=st.data())
+    def close(self, data: st.DataObject) -> None:
+        key = data.draw(st.sampled_from(sorted(self.s.sessions)))
+        assert self.s.close(key, self.now) is not None
+        del self.lengths[key]
+        self.plans_since_submit.pop(key, None)
+
+    @rule(owner=st.sampled_from(OWNERS))
+    def owner_gone(self, owner: str) -> None:
+        """An owner's connection is gone: its sessions close and its waiting opens are dropped."""
+        for key in [k for k in self.s.sessions if self.owner[k] == owner]:
+            assert self.s.close(key, self.now) is not None
+            del self.lengths[key]
+            self.plans_since_submit.pop(key, None)
+        dropped = self.s.drop_waiting(owner)
+        assert sorted(w.key for w in dropped) == sorted(k for k in self.queue if self.owner[k] == owner)
+        for w in dropped:
+            del self.queue[w.key]
+        assert self._held(owner) == (0, 0) == self.s.held_by(owner)
+
+    @invariant()
+    def admission_holds(self) -> None:
+        s = self.s
+        assert 0 <= s.kv_reserved <= self.cfg.kv_cells
+        assert s.kv_reserved == sum(x.max_tokens for x in s.sessions.values())
+        assert len(s.sessions) <= self.cfg.max_sessions and len(s.waiting) <= self.cfg.max_waiting_opens
+        for key, session in s.sessions.items():
+            assert session.owner == self.owner[key]
+
+    @invariant()
+    def no_owner_exceeds_its_quotas(self) -> None:
+        for owner in OWNERS:
+            sessions, waiting = self.s.held_by(owner)
+            assert (sessions, waiting) == self._held(owner)
+            assert sessions <= self.cfg.sessions_per_owner
+            assert waiting <= self.cfg.waiting_per_owner
+
+
+TestAdmissionMachine = AdmissionMachine.TestCase
+TestAdmissionMachine.settings = settings(max_examples=200, stateful_step_count=60, deadline=None)
+
+
+class SchedulerMachine(AdmissionMachine):
+    """Admission as above, with steps (decodes, prefills, rewinds), runs and failures."""
 
     @precondition(lambda self: self.s.sessions)
     @rule(data=st.data())
@@ -411,14 +564,6 @@ class SchedulerMachine(RuleBasedStateMachine):
         for key in self.plans_since_submit:
             self.plans_since_submit[key] += 1
 
-    @precondition(lambda self: self.s.sessions)
-    @rule(data=st.data())
-    def close(self, data: st.DataObject) -> None:
-        key = data.draw(st.sampled_from(sorted(self.s.sessions)))
-        assert self.s.close(key, self.now) is not None
-        del self.lengths[key]
-        self.plans_since_submit.pop(key, None)
-
     @rule()
     def drain(self) -> None:
         """Every accepted step runs to completion within a bounded number of iterations."""
@@ -451,6 +596,7 @@ TestSchedulerMachine.settings = settings(max_examples=150, stateful_step_count=6
 
 class MicroBatchMachine(SchedulerMachine):
     micro_batches = 3
+    quotas = (None, None)  # the defaults: one owner may use the whole node, waiting included
 
 
 TestMicroBatchMachine = MicroBatchMachine.TestCase
