@@ -342,7 +342,7 @@ def role_vanish(ctx: Ctx, targets: list[Target], seconds: float, quota: int, rng
         t = targets[k % len(targets)]
         sock = dealer(ctx, t.address)
         prompt = int32([1, *(rng.randrange(3, t.n_vocab) for _ in range(7))])
-        way = k % 4
+        way = (k // len(targets)) % 4  # every target sees every way
         tally.sent += 1
         if way == 3:  # gone before the open is even answered (the linger only lets it leave)
             sock.send_multipart([header("open", 1, session=f"v{k}", max_tokens=64, wait_ms=2000)])

@@ -117,6 +117,7 @@ class FakeStage:
         self.n_embd = n_embd
         self.counts: Counter[str] = Counter()
         self._steps = itertools.cycle(STEP_REPLIES.items())
+        self._others = itertools.cycle(STEP_REPLIES.items())  # so every step kind comes as often
         self._opens = itertools.cycle(OPEN_REPLIES.items())
         self._opened = 0
 
@@ -138,7 +139,7 @@ class FakeStage:
         elif op == "step":
             kind, make = next(self._steps)
         else:  # ping, close: answered as if they were steps, so never with what they expect
-            kind, make = next(self._steps)
+            kind, make = next(self._others)
         self.counts[f"{op}:{kind}"] += 1
         return make(h, self.n_vocab, self.n_embd)
 
