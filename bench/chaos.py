@@ -21,7 +21,7 @@ did not complete, a session still held, a malformed reply not answered `downstre
 message never answered, or fewer hostile messages than the plan's minimum. Everything it
 starts is stopped on the way out, also on Ctrl-C or SIGTERM (exit 130).
 
-    python -m bench.chaos           # full, about 3 minutes: evidence/chaos.json
+    python -m bench.chaos           # full, about 2 minutes: evidence/chaos.json
     python -m bench.chaos quick     # under a minute: .bench/chaos-quick.json
 """
 
@@ -312,12 +312,16 @@ async def attack(run: Run, t0: float) -> None:
             for name in (SINGLE, HEAD):
                 attackers.start_soon(valid_load, addresses[name], requests, solo[name], stop, plan.valid_concurrency,
                                      plan.valid_think_s, f"valid-{name}", valid[name])  # fmt: skip
-            attackers.start_soon(restart_load, addresses[RESTART_HEAD], prompt, stop, t0, restarts)
+            settled = trio.Event()  # the restarted tail's last cycle is over
+            attackers.start_soon(restart_load, addresses[RESTART_HEAD], prompt, stop, settled, t0, restarts)
             attackers.start_soon(malformed_load, addresses[MALFORMED_HEAD], prompt, stop, plan.malformed_workers,
                                  malformed)  # fmt: skip
 
             async def cycle_tail() -> None:
-                cycles.extend(await tail_cycles(run.tail, plan, trio.current_time() + plan.attack_s, t0))
+                try:
+                    cycles.extend(await tail_cycles(run.tail, plan, trio.current_time() + plan.attack_s, t0))
+                finally:
+                    settled.set()
 
             attackers.start_soon(cycle_tail)
             for name in ATTACKED:

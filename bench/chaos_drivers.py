@@ -146,12 +146,26 @@ async def _generate(client: Client, session: str, prompt: list[int], max_new: in
     return "ok"
 
 
-async def restart_load(address: str, prompt: list[int], stop: trio.Event, t0: float, out: Outcomes) -> None:
-    """Open, generate 8 tokens, close, over and over, through a head whose next stage comes and goes."""
+SETTLE_LIMIT_S = 30.0  # after `stop`, how long the restart driver waits to see the chain serve again
+
+
+async def restart_load(
+    address: str, prompt: list[int], stop: trio.Event, settled: trio.Event, t0: float, out: Outcomes
+) -> None:
+    """Open, generate 8 tokens, close, over and over, through a head whose next stage comes and goes.
+
+    Runs until `stop`, and past it until a session that began once the tail stopped changing
+    (`settled`) has gone through (at most `SETTLE_LIMIT_S` more): whether the chain serves again
+    after its last restart is never left to how the timing fell."""
+    served_after_settling = False
+    stopped_at: float | None = None
     async with open_client(address, timeout_s=15, retries=0) as client:
         for k in itertools.count():
             if stop.is_set():
-                return
+                stopped_at = stopped_at if stopped_at is not None else trio.current_time()
+                if served_after_settling or trio.current_time() - stopped_at > SETTLE_LIMIT_S:
+                    return
+            began_settled = settled.is_set()
             session, started = f"tr-{k}", trio.current_time()
             out.sent += 1
             try:
@@ -167,6 +181,7 @@ async def restart_load(address: str, prompt: list[int], stop: trio.Event, t0: fl
             seconds = trio.current_time() - started
             out.note(out.generates, outcome, seconds)
             out.timeline.append((round(started - t0, 3), outcome, round(seconds, 3)))
+            served_after_settling |= began_settled and outcome == "ok"
             await trio.sleep(0.02)
 
 
