@@ -82,3 +82,7 @@ bench-multihost: bench-setup
 # The OpenAI gateway before a node and a 2-stage chain vs llama-server's OpenAI endpoint (`quick`: tiny model).
 bench-gateway mode="full": bench-setup
     {{py}} -m bench.gateway_bench {{ if mode == "quick" { "--quick" } else { "" } }}
+
+# Hostile peers against a node and two chains while valid sessions generate (evidence/chaos.json; `quick`: under a minute, .bench/).
+chaos mode="full": setup
+    {{py}} -m bench.chaos {{mode}}

@@ -19,7 +19,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -74,18 +74,28 @@ class Processes:
         self.running: dict[str, subprocess.Popen[bytes]] = {}
         self.ended: dict[str, tuple[int, int | None]] = {}  # name -> (pid, exit status) once stopped or crashed
         self.crashed: dict[str, Crash] = {}
+        self.started_at: dict[str, float] = {}  # time.monotonic() each child was started
 
     def log(self, name: str) -> Path:
         return self.log_dir / f"{name}.log"
 
     def start(self, name: str, cmd: list[str], ready: Callable[[Path], bool], timeout_s: float = 120.0) -> bool:
         """Start `cmd`, wait until `ready(log)` holds; False (a recorded crash) if it exits or times out first."""
+        self.spawn(name, cmd)
+        while (outcome := self.poll_ready(name, ready, timeout_s)) is None:
+            time.sleep(0.05)
+        return outcome
+
+    def spawn(self, name: str, cmd: list[str]) -> None:
+        """Start `cmd` without waiting for it. Call it from the main thread: a child gets SIGTERM when
+        the thread that started it ends (PR_SET_PDEATHSIG follows the thread, not the process)."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = self.log(name)
         with log.open("wb") as out:
             out.write(f"$ {' '.join(cmd)}\n".encode())
             out.flush()
-            # The bench starts its children before it starts any thread: preexec_fn is safe here.
+            # Forked where no other thread holds a lock: before the bench starts threads, or from its
+            # event loop, whose worker threads only wait for work.
             proc = subprocess.Popen(
                 cmd,
                 stdout=out,
@@ -94,25 +104,31 @@ class Processes:
                 preexec_fn=_die_with_parent,  # noqa: PLW1509
             )
         self.running[name] = proc
+        self.started_at[name] = time.monotonic()
         print(f"{name}: pid {proc.pid}, log {shown(log)}", flush=True)
-        deadline = time.monotonic() + timeout_s
-        while not ready(log):
-            if proc.poll() is not None:
-                self._crashed(name, "before it was ready")
-                return False
-            if time.monotonic() > deadline:
-                self.stop(name)
-                self.crashed[name] = Crash(name, None, f"was not ready within {timeout_s:.0f} s", shown(log),
-                                           log_tail(log))  # fmt: skip
-                print(f"CRASHED: {name} was not ready within {timeout_s:.0f} s", file=sys.stderr, flush=True)
-                return False
-            time.sleep(0.05)
-        return True
 
-    def check(self, during: str) -> None:
-        """Record every child that has exited on its own since the last look."""
+    def poll_ready(self, name: str, ready: Callable[[Path], bool], timeout_s: float) -> bool | None:
+        """True once `ready(log)` holds; False (a recorded crash) if it has exited or `timeout_s` has
+        passed since it was started; None while it is still starting."""
+        log, proc = self.log(name), self.running[name]
+        if ready(log):
+            return True
+        if proc.poll() is not None:
+            self._crashed(name, "before it was ready")
+            return False
+        if time.monotonic() - self.started_at[name] > timeout_s:
+            self.stop(name)
+            self.crashed[name] = Crash(name, None, f"was not ready within {timeout_s:.0f} s", shown(log),
+                                       log_tail(log))  # fmt: skip
+            print(f"CRASHED: {name} was not ready within {timeout_s:.0f} s", file=sys.stderr, flush=True)
+            return False
+        return None
+
+    def check(self, during: str, skip: Collection[str] = ()) -> None:
+        """Record every child that has exited on its own since the last look (but those in `skip`,
+        which another thread is starting: `start` records their crash itself)."""
         for name, proc in list(self.running.items()):
-            if proc.poll() is not None:
+            if name not in skip and proc.poll() is not None:
                 self._crashed(name, f"during {during}")
 
     def alive(self, names: Sequence[str]) -> bool:
@@ -131,11 +147,22 @@ class Processes:
         self.crashed[name] = Crash(name, status, reason, shown(log), log_tail(log))
         print(f"CRASHED: {name} {reason}; log {shown(log)}", file=sys.stderr, flush=True)
 
+    def kill(self, name: str) -> int | None:
+        """SIGKILL on purpose: the process ends without a say and is not counted as a crash."""
+        proc = self.running.pop(name, None)
+        if proc is None:
+            return None
+        proc.kill()
+        status = proc.wait()
+        self.ended[name] = (proc.pid, status)
+        return status
+
     def stop(self, name: str) -> int | None:
         proc = self.running.pop(name, None)
         if proc is None:
             return None
         if proc.poll() is None:
+            proc.send_signal(signal.SIGCONT)  # a process stopped on purpose (SIGSTOP) must run to see SIGTERM
             proc.terminate()
             try:
                 proc.wait(30)
