@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import pytest
 from hypothesis import event, given, settings
@@ -182,6 +183,58 @@ def test_an_expired_open_that_held_admission_lets_the_others_in() -> None:
     assert isinstance(s.request_open("small", 10, 1000, 0.0), Waiter)
     admitted, expired = s.poll_waiting(10.0)
     assert [w.key for w, _ in expired] == ["big"] and [w.key for w, _ in admitted] == ["small"]
+
+
+def held_scheduler(**overrides: Any) -> Scheduler:
+    """Batch-invariant bookkeeping: 100 cells, "a" open with 60 reserved, closed "b" left 25 held."""
+    s = Scheduler(replace(CFG, kv_cells=100, max_sessions=8, batch_invariant=True, pad_rows=8, **overrides))
+    opened(s, "a", max_tokens=60)
+    opened(s, "b", max_tokens=30)
+    s.close("b", 0.0)
+    s.hold(25)
+    return s
+
+
+def test_an_open_that_fits_once_held_cells_are_freed_waits_for_a_compaction() -> None:
+    s = held_scheduler()
+    assert not s.wants_compaction()
+    w = s.request_open("c", 30, 0, 1.0)  # 15 cells free, 40 once compacted: waits despite wait_ms 0
+    assert isinstance(w, Waiter) and w.deadline_ms == 1.0 and s.wants_compaction()
+    assert s.release_held() == 25 and s.kv_held == 0 and not s.wants_compaction()
+    admitted, expired = s.poll_waiting(2.0)
+    assert [w.key for w, _ in admitted] == ["c"] and not expired
+
+
+def test_an_open_that_would_not_fit_even_then_is_refused_at_once() -> None:
+    s = held_scheduler()
+    r = s.request_open("c", 41, 0, 1.0)
+    assert isinstance(r, Rejection) and r.code is ErrorCode.KV_BUDGET and not s.waiting
+    assert not s.wants_compaction()
+    assert isinstance(s.request_open("d", 41, 100, 1.0), Waiter) and not s.wants_compaction()
+
+
+def test_a_failed_compaction_is_not_retried_until_more_cells_are_held() -> None:
+    s = held_scheduler()
+    assert isinstance(s.request_open("c", 30, 0, 1.0), Waiter)
+    s.compaction_failed()
+    assert not s.wants_compaction() and s.kv_held == 25
+    admitted, expired = s.poll_waiting(2.0)  # its deadline has passed: refused as before
+    assert not admitted and [(w.key, why.code) for w, why in expired] == [("c", ErrorCode.KV_BUDGET)]
+    refused = s.request_open("d", 30, 0, 3.0)  # nothing to wait for
+    assert isinstance(refused, Rejection) and refused.code is ErrorCode.KV_BUDGET
+    s.hold(1)
+    assert isinstance(s.request_open("e", 30, 0, 4.0), Waiter) and s.wants_compaction()
+
+
+def test_held_cells_past_the_threshold_ask_for_a_compaction_on_their_own() -> None:
+    s = held_scheduler(compact_held_cells=26)
+    assert not s.wants_compaction()
+    s.hold(1)
+    assert s.wants_compaction()
+    s.begin_shutdown(0.0)
+    assert not s.wants_compaction()
+    with pytest.raises(ValueError, match="compact_held_cells"):
+        replace(CFG, compact_held_cells=0)
 
 
 def test_failure_rolls_sessions_back_to_step_start() -> None:
@@ -455,6 +508,90 @@ class MicroBatchMachine(SchedulerMachine):
 
 TestMicroBatchMachine = MicroBatchMachine.TestCase
 TestMicroBatchMachine.settings = settings(max_examples=100, stateful_step_count=60, deadline=None)
+
+
+class HeldCellsMachine(SchedulerMachine):
+    """Batch-invariant bookkeeping: a closed session's cells and a rewound session's tail stay
+    held until a compaction frees them; an open that would fit once they are freed waits
+    for that instead of being refused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cfg = replace(self.cfg, compact_held_cells=90)
+        self.s = Scheduler(self.cfg)
+
+    def _fits_once_compacted(self, max_tokens: int) -> bool:
+        free = self.cfg.kv_cells - self.s.kv_reserved
+        return len(self.s.sessions) < self.cfg.max_sessions and max_tokens <= free
+
+    @precondition(lambda self: self.s.sessions)
+    @rule(data=st.data())
+    def close(self, data: st.DataObject) -> None:
+        key = data.draw(st.sampled_from(sorted(self.s.sessions)))
+        session = self.s.close(key, self.now)
+        assert session is not None
+        self.s.hold(session.length)
+        del self.lengths[key]
+        self.plans_since_submit.pop(key, None)
+
+    @precondition(lambda self: self.s.sessions)
+    @rule(data=st.data())
+    def submit(self, data: st.DataObject) -> None:
+        """As the engine does: an accepted step that rewinds holds the dropped tail's cells."""
+        before = {key: session.length for key, session in self.s.sessions.items()}
+        super().submit(data)
+        for key, session in self.s.sessions.items():
+            if session.length < before[key]:
+                self.s.hold(before[key] - session.length)
+
+    @rule(max_tokens=st.integers(1, 70))
+    def open_now(self, max_tokens: int) -> None:
+        """An open that may not wait is refused only when freeing the held cells would not help."""
+        self.keys += 1
+        key = f"k{self.keys}"
+        head_holds = bool(self.queue) and next(iter(self.queue.values())) >= self.cfg.max_overtakes
+        full = len(self.queue) >= self.cfg.max_waiting_opens
+        fits, helps = self._fits(max_tokens), self._fits_once_compacted(max_tokens)
+        r = self.s.request_open(key, max_tokens, 0, self.now)
+        if isinstance(r, Session):
+            assert fits and not head_holds
+            self._admitted(key)
+            self._grouped(r)
+        elif isinstance(r, Waiter):
+            assert not fits and helps and self.s.kv_held > 0 and r.deadline_ms == self.now
+            assert self.s.wants_compaction()
+            self.queue[key] = 0
+        else:
+            assert r.code in (ErrorCode.KV_BUDGET, ErrorCode.SESSION_LIMIT)
+            assert head_holds or full or not helps or self.s.compaction_failed_at == self.s.kv_held
+
+    @rule(fails=st.sampled_from([False, False, True]))
+    def compact(self, fails: bool) -> None:
+        s = self.s
+        waiting_helps = any(not self._fits(w.max_tokens) and self._fits_once_compacted(w.max_tokens)
+                            for w in s.waiting)  # fmt: skip
+        may = s.kv_held > 0 and s.compaction_failed_at != s.kv_held
+        overcommitted = s.kv_reserved + s.kv_held > self.cfg.kv_cells
+        assert s.wants_compaction() == (may and (s.kv_held >= 90 or overcommitted or waiting_helps))
+        if not s.wants_compaction():
+            return
+        if fails:
+            s.compaction_failed()
+            assert not s.wants_compaction()
+        else:
+            held = s.kv_held
+            assert s.release_held() == held and s.kv_held == 0 and not s.wants_compaction()
+
+    @invariant()
+    def held_cells_count_against_admission(self) -> None:
+        s = self.s
+        assert s.kv_held >= 0
+        if s.kv_reserved + s.kv_held > self.cfg.kv_cells:  # only rewound tails overcommit, and ask to be freed
+            assert s.wants_compaction() or s.compaction_failed_at == s.kv_held
+
+
+TestHeldCellsMachine = HeldCellsMachine.TestCase
+TestHeldCellsMachine.settings = settings(max_examples=100, stateful_step_count=60, deadline=None)
 
 
 @given(
