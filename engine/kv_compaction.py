@@ -40,6 +40,7 @@ class Compaction:
 
     kept: tuple[int, ...] = ()  # sequences put back, in the order they were
     cells: int = 0  # positions they hold (one cell each in the full-attention cache)
+    bytes: int = 0  # the size of their copies
     lost: tuple[int, ...] = ()  # sequences whose copy llama.cpp would not put back: now empty
     failure: str | None = None
 
@@ -62,7 +63,8 @@ def compact(ctx: LlamaContext, lengths: Mapping[int, int]) -> Compaction:
         ctx.memory_clear()
         refused = next((seq for seq, blob in copies.items() if not _put_back(ctx, seq, blob, lengths[seq])), None)
         if refused is None:
-            return Compaction(tuple(copies), sum(lengths[seq] for seq in copies), tuple(lost))
+            cells, size = sum(lengths[seq] for seq in copies), sum(blob.size for blob in copies.values())
+            return Compaction(tuple(copies), cells, size, tuple(lost))
         lost.append(refused)
         del copies[refused]
 

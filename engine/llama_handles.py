@@ -242,7 +242,7 @@ class SeqState(enum.Enum):
     """What `llama_state_seq_get_data` / `_set_data` did: they return the bytes they wrote or read."""
 
     DONE = "done"  # every byte of the sequence's copy written, or read back
-    FAILED = "failed"  # 0: llama.cpp refused (it logs why); a refused restore leaves the sequence empty
+    FAILED = "failed"  # 0: llama.cpp refused (it logs why)
     SHORT = "short"  # another count: the copy and the size llama.cpp reports disagree
 
     @classmethod
