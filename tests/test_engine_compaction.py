@@ -266,3 +266,36 @@ async def test_a_session_mid_prefill_is_compacted_bit_exactly(tiny_quant: Path) 
     got = result["long"]
     assert isinstance(alone, list) and isinstance(got, list)
     assert all(np.array_equal(x, y) for x, y in zip(got, alone, strict=True))
+
+
+async def test_a_compaction_that_cannot_copy_a_session_changes_nothing(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """llama.cpp's copy comes back short: nothing moves, the open that needed it is refused
+    `kv_budget` as before, the session goes on exact, and the next close tries again."""
+    a_ids = prompt(7, 20)
+    async with open_engine(config(tiny_model, **CHURN)) as engine:
+        alone = await trace(engine, "a", a_ids, 6, 100)
+    async with open_engine(config(tiny_model, **CHURN)) as engine:
+        assert isinstance(await engine.request(OpenRequest("c", "a", 100)), Opened)
+        r = await engine.request(StepRequest("c", "a", 0, Output.LOGITS, tokens=tokens(a_ids)))
+        assert isinstance(r, StepDone) and r.logits is not None
+        got = [r.logits]
+        assert isinstance(await trace(engine, "b", prompt(9, 30), 10, 100), list)  # 40 held
+        taken = engine.backend.ctx.seq_state
+        monkeypatch.setattr(engine.backend.ctx, "seq_state", lambda seq: (SeqState.SHORT, taken(seq)[1]))
+        refused = await engine.request(OpenRequest("c", "d", 120))  # 248 - 100 - 40 < 120
+        assert isinstance(refused, Failure) and refused.code is ErrorCode.KV_BUDGET
+        stats = engine.stats()
+        assert stats["kv_compactions_failed_total"] == 1 and stats["kv_compactions_total"] == 0
+        assert stats["kv_cells_held"] == 40 and engine.scheduler.wants_compaction() is False
+        for i in range(5):
+            r = await step(engine, "a", len(a_ids) + i, int(np.argmax(got[-1])))
+            assert isinstance(r, StepDone) and r.logits is not None
+            got.append(r.logits)
+        monkeypatch.undo()
+        assert isinstance(await trace(engine, "e", prompt(3, 5), 2, 60), list)  # 7 more held: try again
+        assert isinstance(await engine.request(OpenRequest("c", "d", 120)), Opened)
+        assert engine.stats()["kv_compactions_total"] == 1
+    assert isinstance(alone, list) and len(got) == len(alone) == 6
+    assert all(np.array_equal(x, y) for x, y in zip(got, alone, strict=True))
