@@ -51,6 +51,10 @@ bench-padding: bench-setup
 bench-backend: bench-setup
     {{py}} -m bench.backend_sweep --steps 96 --reps 7
 
+# What one KV compaction costs (batch-invariant mode) and that it changes no output (evidence/kv_compaction.json).
+bench-compaction: bench-setup
+    {{py}} -m bench.kv_compaction
+
 # Engine: throughput, TTFT/ITL, prefill interference, batch-invariant mode (evidence/engine_sweep.json).
 bench-engine: bench-setup
     {{py}} -m bench.engine_sweep

@@ -247,7 +247,8 @@ async def stats_peaks(address: str, stop: trio.Event, peaks: dict[str, int], per
 
 HELD_KEYS = ("sessions_active", "sessions_waiting", "kv_cells_reserved", "kv_cells_held", "kv_cells_used")
 COUNTERS = ("errors_total", "peers_gone_total", "leases_expired_total", "messages_failed_total",
-            "handlers_refused_total", "admissions_rejected_total", "cleanups_pending")  # fmt: skip
+            "handlers_refused_total", "admissions_rejected_total", "cleanups_pending", "kv_compactions_total",
+            "kv_compactions_failed_total", "kv_cells_reclaimed_total", "kv_sessions_lost_total")  # fmt: skip
 
 
 async def node_stats(address: str) -> dict[str, Any] | None:

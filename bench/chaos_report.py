@@ -97,6 +97,10 @@ def failures(result: Mapping[str, Any], plan: Mapping[str, Any]) -> list[str]:
     for name, c in result["node_counters"].items():
         if c.get("messages_failed_total"):
             out.append(f"{name}: {c['messages_failed_total']} messages hit an unexpected fault (messages_failed_total)")
+        if c.get("kv_sessions_lost_total"):
+            out.append(
+                f"{name}: {c['kv_sessions_lost_total']} sessions lost by a KV compaction (kv_sessions_lost_total)"
+            )
     classes = result["hostile"]["classes"]
     for cls in CLASS_ORDER:
         if not classes.get(cls, {}).get("sent"):

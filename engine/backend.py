@@ -24,6 +24,7 @@ from engine.batch_buffer import BatchBuffer
 from engine.gguf_facts import KEY_LAYER_START, KEY_SOURCE_BLOCKS, KEY_SOURCE_MODEL
 from engine.hidden_capture import HiddenCapture
 from engine.kernels import KERNEL_CHOICES
+from engine.kv_compaction import Compaction, compact
 from engine.llama_handles import LlamaContext, LlamaModel, SamplerChain, capture_llama_log, logged_buffers
 from engine.messages import Output, Refused
 from engine.sampling import GREEDY, SamplingParams
@@ -219,7 +220,8 @@ class StageBackend:
 
         New tokens go to the lowest free cells: freeing a closed session's cells in the middle
         of the cache would put later tokens of live sessions before their earlier ones, and
-        flash attention accumulates in cell order. Holding them keeps live layouts unchanged.
+        flash attention accumulates in cell order. Holding them keeps live layouts unchanged
+        until `compact` frees them.
         """
         state = self._seqs.pop(seq, None)
         if state is None:
@@ -233,6 +235,16 @@ class StageBackend:
     def release_graveyard(self, graveyard: int) -> None:
         self.ctx.seq_rm(graveyard, 0, -1)
 
+    def compact(self, graveyard: int) -> Compaction:
+        """Free the cells held under `graveyard` while sequences stay open, each keeping its cells
+        in their order (engine/kv_compaction.py). A sequence whose cells could not be put back
+        is left empty, at length 0: its session must be closed."""
+        lengths = {seq: state.length for seq, state in self._seqs.items() if seq != graveyard}
+        result = compact(self.ctx, lengths)
+        for seq in result.lost:
+            self._seqs[seq].length = 0
+        return result
+
     def length(self, seq: int) -> int:
         return self._known(seq).length
 
@@ -243,18 +255,23 @@ class StageBackend:
     def can_rewind(self, seq: int, pos: int) -> bool:
         """Whether the cache still holds what recomputing from `pos` needs.
 
-        Sliding-window layers keep only recent positions (unless `swa_full`): a
-        token at `pos` attends to the window before it, which must still be there.
+        Sliding-window layers keep only recent positions: llama.cpp reuses cells that slid
+        out of a window (unless `swa_full`), and a compaction copies only the window. A
+        token at `pos` attends to positions pos-n_swa+1..pos, which must still be there.
         """
         state = self._known(seq)
         if not 0 <= pos <= state.length:
             return False
-        if pos in (state.length, 0) or self.info.n_swa <= 0 or self.config.swa_full:
+        if pos in (state.length, 0) or self.info.n_swa <= 0:
             return True
-        return self.ctx.seq_pos_min(seq) <= max(0, pos - self.info.n_swa)
+        return self.ctx.seq_pos_min(seq) <= max(0, pos - self.info.n_swa + 1)
 
-    def rewind(self, seq: int, pos: int) -> None:
-        """Drop positions pos.. of a sequence; refused when the cache cannot honour it."""
+    def rewind(self, seq: int, pos: int, hold_in: int | None = None) -> int:
+        """Drop positions pos.. of a sequence; refused when the cache cannot honour it.
+
+        `hold_in`: keep the dropped cells occupied under that sequence (as `retire_sequence`
+        does) instead of freeing them in the middle of the cache; returns the cells held.
+        """
         state = self._known(seq)
         if pos > state.length or pos < 0:
             raise Refused(ErrorCode.POSITION, f"cannot rewind to {pos}: sequence holds {state.length} positions")
@@ -264,9 +281,14 @@ class StageBackend:
                 f"cannot rewind to {pos}: the sliding-window cache (window {self.info.n_swa}) "
                 f"no longer holds positions before {self.ctx.seq_pos_min(seq)}",
             )
+        held = 0
         if pos < state.length:
+            if hold_in is not None:
+                self.ctx.seq_cp(seq, hold_in, pos)
+                held = state.length - pos
             self.ctx.seq_rm(seq, pos, -1)
             state.length = pos
+        return held
 
     def _known(self, seq: int) -> _Sequence:
         state = self._seqs.get(seq)

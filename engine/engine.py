@@ -8,10 +8,12 @@ for it is freed. Cleanups (close, rollback, a gone connection) take a second pat
 is never refused: at most one pending per session or connection, so it is bounded by
 what exists.
 
-Between decode steps the engine task drains cleanups and the inbox, admits and
-expires waiting opens, plans the next iteration, and runs each llama_decode call in
-one dedicated compute thread (one OpenMP team: see compute_thread). Nothing else
-touches the backend meanwhile, so a decode never races a rewind or a close.
+Between decode steps the engine task drains cleanups and the inbox, compacts the KV
+cache when closed sessions' held cells are wanted (batch-invariant mode), admits and
+expires waiting opens, plans the next iteration, and runs each llama_decode call (and
+each compaction) in one dedicated compute thread (one OpenMP team: see compute_thread).
+Nothing else touches the backend meanwhile, so a decode never races a rewind, a close or
+a compaction.
 """
 
 from __future__ import annotations
@@ -111,6 +113,10 @@ class EngineConfig:
     max_sessions_per_peer: int | None = None
     max_waiting_per_peer: int | None = None
     max_queued_per_peer: int | None = None
+    # Batch-invariant mode: once closed sessions hold this share of the KV cells, they are freed
+    # by a compaction even when no open waits for them (held cells lengthen every attention
+    # walk). None: only when an open needs them.
+    compact_at: float | None = 0.5
 
     def queued_per_peer(self) -> int:
         """Requests one connection may have in the inbox at once."""
@@ -245,6 +251,7 @@ class Engine:
                 micro_batches=config.micro_batches or 1,
                 max_sessions_per_owner=config.max_sessions_per_peer,
                 max_waiting_per_owner=config.max_waiting_per_peer,
+                compact_held_cells=_compact_held_cells(config, cells - pad_reserve),
             )
         )
         self.queued_per_peer = config.queued_per_peer()
@@ -409,6 +416,8 @@ class Engine:
         try:
             while True:
                 self._drain_inbox()
+                if not self.draining and self.scheduler.wants_compaction():
+                    await self._compact()
                 self._housekeeping()
                 if self.draining:
                     for waiter, why in self.scheduler.begin_shutdown(_now_ms()):
@@ -595,7 +604,7 @@ class Engine:
             self._reject(outcome, reply)
             return
         if rewind:
-            self.backend.rewind(session.seq, request.pos)
+            self._rewind(session.seq, request.pos)
 
     def _rollback(self, request: Rollback) -> None:
         """Back to `pos`; a session that cannot go back that far is closed instead."""
@@ -604,12 +613,21 @@ class Engine:
         if session is None:
             return
         if self.backend.can_rewind(session.seq, request.pos) and self.scheduler.rollback(key, request.pos):
-            self.backend.rewind(session.seq, request.pos)
+            self._rewind(session.seq, request.pos)
             return
         log.warning("session %r could not be rolled back to %d: closed", request.session, request.pos)
         self._close(key, "the session could not be rolled back")
 
-    def _close(self, key: Any, why: str) -> bool:
+    def _rewind(self, seq: int, pos: int) -> None:
+        """Drop a session's positions pos..; in batch-invariant mode their cells stay held like a
+        closed session's (freed in place, they would take other sessions' next tokens)."""
+        if self.graveyard is None:
+            self.backend.rewind(seq, pos)
+        else:
+            self.scheduler.hold(self.backend.rewind(seq, pos, hold_in=self.graveyard))
+
+    def _close(self, key: Any, why: str, code: ErrorCode = ErrorCode.UNKNOWN_SESSION) -> bool:
+        """Free a session; a step it had pending is answered `code` ("`why` before this step ran")."""
         self._coming_back.discard(key)
         session = self.scheduler.close(key, _now_ms())
         if session is None:
@@ -620,16 +638,45 @@ class Engine:
             self.scheduler.hold(self.backend.retire_sequence(session.seq, self.graveyard))
             if not self.scheduler.sessions:  # nobody's layout left to protect
                 self.backend.release_graveyard(self.graveyard)
-                self.scheduler.release_held()
+                self.telemetry.kv_cells_reclaimed_total += self.scheduler.release_held()
         if session.step is not None:
             work: _Work = session.step.payload  # type: ignore[assignment]
-            work.reply.answer(self._count(Failure(ErrorCode.UNKNOWN_SESSION, f"{why} before this step ran")))
+            work.reply.answer(self._count(Failure(code, f"{why} before this step ran")))
         if self.on_close is not None:
             try:
                 self.on_close(key[0], key[1])
             except Exception:  # a listener's bug must not stop the batch loop
                 log.exception("on_close failed for session %r", key[1])
         return True
+
+    async def _compact(self) -> None:
+        """Free closed sessions' held cells while others stay open (batch-invariant mode).
+
+        Runs between iterations, on the compute thread: every open session's cells are
+        copied out and put back packed, each in its own order (engine/kv_compaction.py),
+        sessions mid-prefill included. A copy that cannot be taken changes nothing; a
+        session whose copy cannot be put back is closed, its pending step answered
+        `internal`.
+        """
+        assert self.graveyard is not None
+        t = self.telemetry
+        started = time.perf_counter()
+        result = await self.compute.run(self.backend.compact, self.graveyard)
+        t.kv_compaction_seconds_total += time.perf_counter() - started
+        if result.failure is not None:
+            t.kv_compactions_failed_total += 1
+            self.scheduler.compaction_failed()
+            log.error("KV compaction skipped, nothing changed: %s", result.failure)
+            return
+        t.kv_compactions_total += 1
+        t.kv_cells_moved_total += result.cells
+        t.kv_cells_reclaimed_total += self.scheduler.release_held()
+        by_seq = {session.seq: key for key, session in self.scheduler.sessions.items()}
+        for seq in result.lost:
+            t.kv_sessions_lost_total += 1
+            log.error("session %r: llama.cpp would not put its KV cells back after a compaction", by_seq[seq][1])
+            self._close(by_seq[seq], "the session's KV cache could not be restored after a compaction",
+                        ErrorCode.INTERNAL)  # fmt: skip
 
     # -- running a call ----------------------------------------------------------------
 
@@ -749,7 +796,7 @@ class Engine:
             session = self.scheduler.sessions[step.key]
             work: _Work = step.payload  # type: ignore[assignment]
             if self.backend.can_rewind(session.seq, step.pos):
-                self.backend.rewind(session.seq, step.pos)
+                self._rewind(session.seq, step.pos)
                 if code is ErrorCode.BUSY:
                     work.reply.answer(self._count(Failure(code, message, retry)))
                     continue
@@ -808,6 +855,12 @@ class Engine:
             "kv_cells_used": used,
             "kv_cells_reserved": s.kv_reserved,
             "kv_cells_held": s.kv_held,
+            "kv_compactions_total": t.kv_compactions_total,
+            "kv_compactions_failed_total": t.kv_compactions_failed_total,
+            "kv_compaction_seconds_total": round(t.kv_compaction_seconds_total, 6),
+            "kv_cells_reclaimed_total": t.kv_cells_reclaimed_total,
+            "kv_cells_moved_total": t.kv_cells_moved_total,
+            "kv_sessions_lost_total": t.kv_sessions_lost_total,
             "kv_cells_total": s.config.kv_cells,
             "kv_pressure": round((s.kv_reserved + s.kv_held) / s.config.kv_cells, 6),
             "prefill_tokens_total": t.prefill_tokens_total,
@@ -849,6 +902,15 @@ def _tell(listeners: list[ClosedListener], existed: bool) -> None:
         except Exception:  # a listener's bug must not stop the batch loop
             log.exception("a close listener failed")
         existed = False
+
+
+def _compact_held_cells(config: EngineConfig, cells: int) -> int | None:
+    """Held cells that call for a compaction on their own (`compact_at` of the cells sessions reserve from)."""
+    if not config.batch_invariant or config.compact_at is None:
+        return None
+    if not 0 < config.compact_at <= 1:
+        raise ValueError(f"compact_at is a share of the KV cells in (0, 1], not {config.compact_at}")
+    return max(1, math.ceil(config.compact_at * cells))
 
 
 @asynccontextmanager

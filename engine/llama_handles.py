@@ -7,6 +7,7 @@ Python owner; a context must be closed before the model it was made from.
 from __future__ import annotations
 
 import ctypes
+import enum
 import logging
 import re
 import threading
@@ -17,6 +18,7 @@ from typing import cast
 
 import llama_cpp as lc
 import numpy as np
+import numpy.typing as npt
 
 from engine.gguf_header import read_header
 from engine.kernels import (
@@ -236,6 +238,24 @@ class LlamaModel:
         self.close()
 
 
+class SeqState(enum.Enum):
+    """What `llama_state_seq_get_data` / `_set_data` did: they return the bytes they wrote or read."""
+
+    DONE = "done"  # every byte of the sequence's copy written, or read back
+    FAILED = "failed"  # 0: llama.cpp refused (it logs why)
+    SHORT = "short"  # another count: the copy and the size llama.cpp reports disagree
+
+    @classmethod
+    def of(cls, rc: int, size: int) -> SeqState:
+        if rc == 0:
+            return cls.FAILED
+        return cls.DONE if rc == size else cls.SHORT
+
+
+def _bytes_ptr(blob: npt.NDArray[np.uint8]) -> ctypes._Pointer[ctypes.c_uint8]:
+    return blob.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+
+
 class LlamaContext:
     """A llama.cpp context (KV cache + compute buffers) over a model."""
 
@@ -261,9 +281,30 @@ class LlamaContext:
     def seq_rm(self, seq: int, p0: int, p1: int = -1) -> bool:
         return bool(lc.llama_memory_seq_rm(self.memory, seq, p0, p1))
 
-    def seq_cp(self, src: int, dst: int) -> None:
-        """Tag all of `src`'s cells with `dst` too (cells are shared, not copied)."""
-        lc.llama_memory_seq_cp(self.memory, src, dst, -1, -1)
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        """Tag `src`'s cells of positions [p0, p1) with `dst` too (cells are shared, not copied;
+        -1: from the start, to the end)."""
+        lc.llama_memory_seq_cp(self.memory, src, dst, p0, p1)
+
+    def memory_clear(self) -> None:
+        """Forget every cell of every sequence (the data stays; the cells become free, search
+        heads go back to cell 0)."""
+        lc.llama_memory_clear(self.memory, False)
+
+    def seq_state(self, seq: int) -> tuple[SeqState, npt.NDArray[np.uint8]]:
+        """A copy of `seq`'s KV cells as llama.cpp serialises them: positions and rows, in cell order
+        (of a sliding-window cache, only the cells still in the sequence's window)."""
+        size = int(lc.llama_state_seq_get_size(self.ptr, seq))
+        blob = np.empty(size, np.uint8)
+        rc = int(lc.llama_state_seq_get_data(self.ptr, _bytes_ptr(blob), size, seq)) if size else 0
+        return SeqState.of(rc, size), blob
+
+    def set_seq_state(self, seq: int, blob: npt.NDArray[np.uint8]) -> SeqState:
+        """Put a `seq_state` copy into the empty `seq`: in each cache, the first run of contiguous
+        free cells from the search head takes the cells in the copy's order, and the head moves
+        past it. FAILED: llama.cpp refused it (what it had placed may still be there)."""
+        rc = int(lc.llama_state_seq_set_data(self.ptr, _bytes_ptr(blob), blob.size, seq))
+        return SeqState.of(rc, blob.size)
 
     def seq_pos_min(self, seq: int) -> int:
         return int(lc.llama_memory_seq_pos_min(self.memory, seq))

@@ -27,7 +27,11 @@ plans it returns, and reports back. The policy (DESIGN.md):
   the next group computes. Every ready decode is still planned in every iteration.
 - Batch-invariant mode: decode rows are padded to a multiple of `pad_rows` and each
   prefill chunk runs in a call of its own with boundaries fixed by position, so a
-  session's batch shapes do not depend on what else is being served.
+  session's batch shapes do not depend on what else is being served. A closed session's
+  cells (and a rewound session's tail) stay held until the engine compacts the cache; an
+  open that fits once they are freed waits for that (also with no `wait_ms`), and held
+  cells past `compact_held_cells` or past what the reservations leave ask for a
+  compaction on their own.
 """
 
 from __future__ import annotations
@@ -74,6 +78,7 @@ class SchedulerConfig:
     micro_batches: int = 1  # session groups, each run in calls of its own (1: one call for all)
     max_sessions_per_owner: int | None = None  # open sessions; None: max_sessions
     max_waiting_per_owner: int | None = None  # waiting opens; None: max_waiting_opens
+    compact_held_cells: int | None = None  # held cells that ask for a compaction with no open waiting
 
     @property
     def sessions_per_owner(self) -> int:
@@ -106,6 +111,8 @@ class SchedulerConfig:
             raise ValueError("max_step_tokens and kv_cells must be >= 1, queue_budget_bytes >= 0")
         if self.max_wait_ms < 0 or self.max_overtakes < 0:
             raise ValueError("max_wait_ms and max_overtakes must be >= 0")
+        if self.compact_held_cells is not None and self.compact_held_cells < 1:
+            raise ValueError(f"need compact_held_cells >= 1 (or None), not {self.compact_held_cells}")
 
 
 @dataclass(slots=True)
@@ -207,7 +214,8 @@ class Scheduler:
     sessions: dict[SessionKey, Session] = field(default_factory=dict)
     waiting: deque[Waiter] = field(default_factory=deque)
     kv_reserved: int = 0
-    kv_held: int = 0  # cells of closed sessions not yet released (batch-invariant mode)
+    kv_held: int = 0  # cells of closed sessions and rewound tails not yet released (batch-invariant mode)
+    compaction_failed_at: int | None = None  # kv_held when a compaction last failed: not retried at it
     queued_bytes: int = 0
     shutting_down: bool = False
     iteration: int = 0
@@ -217,8 +225,8 @@ class Scheduler:
 
     # -- admission ---------------------------------------------------------------
 
-    def _fits(self, max_tokens: int) -> bool:
-        free = self.config.kv_cells - self.kv_reserved - self.kv_held
+    def _fits(self, max_tokens: int, held: int | None = None) -> bool:
+        free = self.config.kv_cells - self.kv_reserved - (self.kv_held if held is None else held)
         return len(self.sessions) < self.config.max_sessions and max_tokens <= free
 
     def _at_quota(self, owner: Owner) -> bool:
@@ -235,6 +243,13 @@ class Scheduler:
     def _retry_ms(self) -> int:
         """When room for an open may free up: about a session's life shared by the sessions open."""
         return int(min(60_000, max(self.estimates.step_ms, self.estimates.session_ms / max(1, len(self.sessions)))))
+
+    def _fits_once_compacted(self, max_tokens: int) -> bool:
+        """Whether an open that does not fit now would, once the held cells are freed."""
+        return self._may_compact() and not self._fits(max_tokens) and self._fits(max_tokens, held=0)
+
+    def _may_compact(self) -> bool:
+        return self.kv_held > 0 and self.kv_held != self.compaction_failed_at and not self.shutting_down
 
     def _shortage(self, max_tokens: int) -> Rejection:
         cfg = self.config
@@ -264,7 +279,8 @@ class Scheduler:
                 w.overtaken += 1
             return self._admit(key, max_tokens, now_ms, owner)
         wait_ms = min(wait_ms, cfg.max_wait_ms)
-        if wait_ms > 0 and len(self.waiting) < cfg.max_waiting_opens:
+        compacting = self._fits_once_compacted(max_tokens) and self._may_overtake()
+        if (wait_ms > 0 or compacting) and len(self.waiting) < cfg.max_waiting_opens:
             if self.held_by(owner)[1] < cfg.waiting_per_owner:
                 waiter = Waiter(key, max_tokens, now_ms + wait_ms, payload, owner=owner)
                 self.waiting.append(waiter)
@@ -502,11 +518,30 @@ class Scheduler:
         return True
 
     def hold(self, cells: int) -> None:
-        """Keep a closed session's cells counted until `release_held` (batch-invariant mode)."""
+        """Keep cells a closed session (or an open one's rewound tail) left counted until
+        `release_held` (batch-invariant mode)."""
         self.kv_held += cells
 
-    def release_held(self) -> None:
-        self.kv_held = 0
+    def release_held(self) -> int:
+        """The held cells are free again (compacted away, or nobody is open); returns how many."""
+        released, self.kv_held, self.compaction_failed_at = self.kv_held, 0, None
+        return released
+
+    def wants_compaction(self) -> bool:
+        """Whether the held cells should be freed: an open waiting for room would fit then, so
+        many are held (`compact_held_cells`), or with the rewound tails of open sessions among
+        them, open sessions could grow past the cache. Not again at the held count a
+        compaction failed at: only once more cells are held."""
+        if not self._may_compact():
+            return False
+        limit = self.config.compact_held_cells
+        if (limit is not None and self.kv_held >= limit) or self.kv_reserved + self.kv_held > self.config.kv_cells:
+            return True
+        return any(self._fits_once_compacted(w.max_tokens) for w in self.waiting)
+
+    def compaction_failed(self) -> None:
+        """The cells stay held (nothing changed); opens waiting for them wait for their deadline."""
+        self.compaction_failed_at = self.kv_held
 
     def idle_sessions(self, now_ms: float, idle_ms: float) -> list[SessionKey]:
         return [k for k, s in self.sessions.items() if s.step is None and now_ms - s.last_active_ms >= idle_ms]

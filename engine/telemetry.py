@@ -72,6 +72,12 @@ class Telemetry:
     late_sessions_total: int = 0  # answered sessions whose next step missed the next batch
     cleanups_total: int = 0  # close/rollback/gone-connection requests taken on the cleanup path
     no_kv_slot_total: int = 0  # llama_decode calls that found no KV slot (retried split, or `busy`)
+    kv_compactions_total: int = 0  # KV cache compactions that freed held cells (batch-invariant mode)
+    kv_compactions_failed_total: int = 0  # compactions that could not copy a session out (nothing changed)
+    kv_compaction_seconds_total: float = 0.0
+    kv_cells_reclaimed_total: int = 0  # held cells freed, by compactions or when no session was left
+    kv_cells_moved_total: int = 0  # open sessions' cells copied out and back by compactions
+    kv_sessions_lost_total: int = 0  # sessions closed because a compaction could not put their cells back
     prefill_tokens_total: int = 0
     decode_tokens_total: int = 0
     prefill_window: RateWindow = field(default_factory=RateWindow)

@@ -116,6 +116,7 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
         queue_budget_bytes=args.queue_budget,
         batch_invariant=args.batch_invariant,
         pad_rows=args.pad_rows,
+        compact_at=args.compact_at or None,
         idle_timeout_s=args.idle_timeout or None,
         limits=Limits(weights=args.weight_budget, kv=args.kv_budget, scratch=args.scratch_budget),
         linger_ms=args.linger_ms,
@@ -351,6 +352,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="batch-invariant mode pads decode rows to a multiple of this (default: what the kernel path needs)",
+    )
+    serve.add_argument(
+        "--compact-at",
+        type=float,
+        default=0.5,
+        help="batch-invariant mode: compact the KV cache once closed sessions hold this share of its cells "
+        "(0 = only when an open needs them)",
     )
     serve.add_argument(
         "--linger-ms",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import pytest
 from hypothesis import event, given, settings
@@ -251,6 +252,58 @@ def test_per_owner_quotas_default_to_the_node_limits() -> None:
         replace(CFG, max_sessions_per_owner=0)
 
 
+def held_scheduler(**overrides: Any) -> Scheduler:
+    """Batch-invariant bookkeeping: 100 cells, "a" open with 60 reserved, closed "b" left 25 held."""
+    s = Scheduler(replace(CFG, kv_cells=100, max_sessions=8, batch_invariant=True, pad_rows=8, **overrides))
+    opened(s, "a", max_tokens=60)
+    opened(s, "b", max_tokens=30)
+    s.close("b", 0.0)
+    s.hold(25)
+    return s
+
+
+def test_an_open_that_fits_once_held_cells_are_freed_waits_for_a_compaction() -> None:
+    s = held_scheduler()
+    assert not s.wants_compaction()
+    w = s.request_open("c", 30, 0, 1.0)  # 15 cells free, 40 once compacted: waits despite wait_ms 0
+    assert isinstance(w, Waiter) and w.deadline_ms == 1.0 and s.wants_compaction()
+    assert s.release_held() == 25 and s.kv_held == 0 and not s.wants_compaction()
+    admitted, expired = s.poll_waiting(2.0)
+    assert [w.key for w, _ in admitted] == ["c"] and not expired
+
+
+def test_an_open_that_would_not_fit_even_then_is_refused_at_once() -> None:
+    s = held_scheduler()
+    r = s.request_open("c", 41, 0, 1.0)
+    assert isinstance(r, Rejection) and r.code is ErrorCode.KV_BUDGET and not s.waiting
+    assert not s.wants_compaction()
+    assert isinstance(s.request_open("d", 41, 100, 1.0), Waiter) and not s.wants_compaction()
+
+
+def test_a_failed_compaction_is_not_retried_until_more_cells_are_held() -> None:
+    s = held_scheduler()
+    assert isinstance(s.request_open("c", 30, 0, 1.0), Waiter)
+    s.compaction_failed()
+    assert not s.wants_compaction() and s.kv_held == 25
+    admitted, expired = s.poll_waiting(2.0)  # its deadline has passed: refused as before
+    assert not admitted and [(w.key, why.code) for w, why in expired] == [("c", ErrorCode.KV_BUDGET)]
+    refused = s.request_open("d", 30, 0, 3.0)  # nothing to wait for
+    assert isinstance(refused, Rejection) and refused.code is ErrorCode.KV_BUDGET
+    s.hold(1)
+    assert isinstance(s.request_open("e", 30, 0, 4.0), Waiter) and s.wants_compaction()
+
+
+def test_held_cells_past_the_threshold_ask_for_a_compaction_on_their_own() -> None:
+    s = held_scheduler(compact_held_cells=26)
+    assert not s.wants_compaction()
+    s.hold(1)
+    assert s.wants_compaction()
+    s.begin_shutdown(0.0)
+    assert not s.wants_compaction()
+    with pytest.raises(ValueError, match="compact_held_cells"):
+        replace(CFG, compact_held_cells=0)
+
+
 def test_failure_rolls_sessions_back_to_step_start() -> None:
     s = Scheduler(CFG)
     opened(s, "a")
@@ -383,6 +436,13 @@ class AdmissionMachine(RuleBasedStateMachine):
         free = self.cfg.kv_cells - self.s.kv_reserved - self.s.kv_held
         return len(self.s.sessions) < self.cfg.max_sessions and max_tokens <= free
 
+    def _waits_for_compaction(self, max_tokens: int) -> bool:
+        """Whether an open that does not fit now waits for held cells to be freed (none held here)."""
+        return False
+
+    def _closed(self, session: Session) -> None:
+        """What the engine does with a closed session's cells (here: frees them at once)."""
+
     def _admitted(self, key: str) -> None:
         """Every open waiting ahead of `key` (arrived earlier) has been overtaken once more."""
         ahead = list(self.queue)[: list(self.queue).index(key)] if key in self.queue else list(self.queue)
@@ -402,7 +462,8 @@ class AdmissionMachine(RuleBasedStateMachine):
         head_holds = bool(self.queue) and next(iter(self.queue.values())) >= cfg.max_overtakes
         fits = self._fits(max_tokens)
         sessions, waiting = self._held(owner)
-        may_wait = wait > 0 and len(self.queue) < cfg.max_waiting_opens
+        compacting = not fits and not head_holds and self._waits_for_compaction(max_tokens)
+        may_wait = (wait > 0 or compacting) and len(self.queue) < cfg.max_waiting_opens
         r = self.s.request_open(key, max_tokens, wait, self.now, owner=owner)
         event("held by an overtaken open" if head_holds and fits else "no open held")
         if max_tokens > cfg.kv_cells:
@@ -419,6 +480,9 @@ class AdmissionMachine(RuleBasedStateMachine):
         elif may_wait and waiting < cfg.waiting_per_owner:
             assert isinstance(r, Waiter) and r.owner == owner
             assert r.deadline_ms <= self.now + cfg.max_wait_ms
+            if wait == 0:
+                event("zero-wait open waits for a compaction")
+                assert compacting and self.s.wants_compaction()
             self.queue[key] = 0
         else:
             assert isinstance(r, Rejection) and r.code in (ErrorCode.KV_BUDGET, ErrorCode.SESSION_LIMIT) and r.message
@@ -466,7 +530,9 @@ class AdmissionMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def close(self, data: st.DataObject) -> None:
         key = data.draw(st.sampled_from(sorted(self.s.sessions)))
-        assert self.s.close(key, self.now) is not None
+        session = self.s.close(key, self.now)
+        assert session is not None
+        self._closed(session)
         del self.lengths[key]
         self.plans_since_submit.pop(key, None)
 
@@ -474,7 +540,9 @@ class AdmissionMachine(RuleBasedStateMachine):
     def owner_gone(self, owner: str) -> None:
         """An owner's connection is gone: its sessions close and its waiting opens are dropped."""
         for key in [k for k in self.s.sessions if self.owner[k] == owner]:
-            assert self.s.close(key, self.now) is not None
+            session = self.s.close(key, self.now)
+            assert session is not None
+            self._closed(session)
             del self.lengths[key]
             self.plans_since_submit.pop(key, None)
         dropped = self.s.drop_waiting(owner)
@@ -601,6 +669,91 @@ class MicroBatchMachine(SchedulerMachine):
 
 TestMicroBatchMachine = MicroBatchMachine.TestCase
 TestMicroBatchMachine.settings = settings(max_examples=100, stateful_step_count=60, deadline=None)
+
+
+class HeldCellsMachine(SchedulerMachine):
+    """Batch-invariant bookkeeping: a closed session's cells and a rewound session's tail stay
+    held until a compaction frees them; an open that would fit once they are freed waits
+    for that (even with wait_ms 0) instead of being refused, within its owner's quotas."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cfg = replace(self.cfg, compact_held_cells=90)
+        self.s = Scheduler(self.cfg)
+
+    def _fits_once_compacted(self, max_tokens: int) -> bool:
+        free = self.cfg.kv_cells - self.s.kv_reserved
+        return len(self.s.sessions) < self.cfg.max_sessions and max_tokens <= free
+
+    def _waits_for_compaction(self, max_tokens: int) -> bool:
+        s = self.s
+        may_compact = s.kv_held > 0 and s.compaction_failed_at != s.kv_held
+        return may_compact and self._fits_once_compacted(max_tokens)
+
+    def _closed(self, session: Session) -> None:
+        self.s.hold(session.length)
+
+    @precondition(lambda self: any(s.step is None and s.length < s.max_tokens for s in self.s.sessions.values()))
+    @rule(data=st.data())
+    def fill_and_close(self, data: st.DataObject) -> None:
+        """A session prefills as much as one step may, runs, and closes: its cells stay held."""
+        key = data.draw(st.sampled_from(sorted(k for k, s in self.s.sessions.items()
+                                               if s.step is None and s.length < s.max_tokens)))  # fmt: skip
+        session = self.s.sessions[key]
+        n = min(session.max_tokens - session.length, self.cfg.max_step_tokens)
+        end = session.length + n
+        assert isinstance(self.s.submit(key, session.length, n, 4 * n, self.now), Step)
+        self.lengths[key] = session.length
+        self.plans_since_submit[key] = 0
+        self.drain()
+        closed = self.s.close(key, self.now)
+        assert closed is not None and closed.length == end
+        self._closed(closed)
+        del self.lengths[key]
+        self.plans_since_submit.pop(key, None)
+
+    @precondition(lambda self: self.s.sessions)
+    @rule(data=st.data())
+    def submit(self, data: st.DataObject) -> None:
+        """As the engine does: an accepted step that rewinds holds the dropped tail's cells."""
+        before = {key: session.length for key, session in self.s.sessions.items()}
+        super().submit(data)
+        for key, session in self.s.sessions.items():
+            if session.length < before[key]:
+                self.s.hold(before[key] - session.length)
+
+    @rule(max_tokens=st.integers(1, 70), owner=st.sampled_from(OWNERS))
+    def open_now(self, max_tokens: int, owner: str) -> None:
+        """An open that may not wait (wait_ms 0): the model above says when it waits for a compaction."""
+        self.open(max_tokens=max_tokens, wait=0, owner=owner)
+
+    @rule(fails=st.sampled_from([False, False, True]))
+    def compact(self, fails: bool) -> None:
+        s = self.s
+        waiting_helps = any(not self._fits(w.max_tokens) and self._fits_once_compacted(w.max_tokens)
+                            for w in s.waiting)  # fmt: skip
+        may = s.kv_held > 0 and s.compaction_failed_at != s.kv_held
+        overcommitted = s.kv_reserved + s.kv_held > self.cfg.kv_cells
+        assert s.wants_compaction() == (may and (s.kv_held >= 90 or overcommitted or waiting_helps))
+        if not s.wants_compaction():
+            return
+        if fails:
+            s.compaction_failed()
+            assert not s.wants_compaction()
+        else:
+            held = s.kv_held
+            assert s.release_held() == held and s.kv_held == 0 and not s.wants_compaction()
+
+    @invariant()
+    def held_cells_count_against_admission(self) -> None:
+        s = self.s
+        assert s.kv_held >= 0
+        if s.kv_reserved + s.kv_held > self.cfg.kv_cells:  # only rewound tails overcommit, and ask to be freed
+            assert s.wants_compaction() or s.compaction_failed_at == s.kv_held
+
+
+TestHeldCellsMachine = HeldCellsMachine.TestCase
+TestHeldCellsMachine.settings = settings(max_examples=100, stateful_step_count=60, deadline=None)
 
 
 @given(
