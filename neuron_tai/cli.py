@@ -23,6 +23,8 @@ from neuron_tai.shard import (
     write_shard,
     write_stages,
 )
+from transport import memory_bounds as bounds
+from transport import wire
 
 if TYPE_CHECKING:
     from neuron_tai.node import NodeConfig
@@ -324,9 +326,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: half the engine's inbox of 256, at least --max-sessions)",
     )
     serve.add_argument(
-        "--max-text-bytes", type=int, default=2**20, help="largest tokenize text (UTF-8 bytes); bounds headers too"
+        "--max-text-bytes",
+        type=int,
+        default=wire.MAX_TEXT_BYTES,
+        help="largest tokenize text (UTF-8 bytes); bounds headers too",
     )
-    serve.add_argument("--max-text-tokens", type=int, default=2**18, help="most token ids a (de)tokenize may carry")
+    serve.add_argument(
+        "--max-text-tokens", type=int, default=wire.MAX_TEXT_TOKENS, help="most token ids a (de)tokenize may carry"
+    )
     serve.add_argument("--kv-cells", type=int, default=4096, help="KV cells shared by all sessions")
     serve.add_argument("--kv-type", choices=["f16", "f32"], default="f16", help="KV cache element type")
     serve.add_argument("--n-batch", type=int, default=512, help="rows one llama_decode call may carry")
@@ -392,36 +399,42 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="also close a session with no step or open this long, even if its client is alive (s; 0 off)",
     )
-    serve.add_argument("--max-message-bytes", type=_bytes, default=64 * 2**20, help="ZMQ_MAXMSGSIZE")
+    serve.add_argument("--max-message-bytes", type=_bytes, default=bounds.MAX_MESSAGE_BYTES, help="ZMQ_MAXMSGSIZE")
     memory = serve.add_argument_group("memory bounds (see README, 'Memory bounds')")
     memory.add_argument(
-        "--send-hwm", type=int, default=16, help="messages ZeroMQ queues for one connection, and for the next stage"
+        "--send-hwm",
+        type=int,
+        default=bounds.SEND_HWM,
+        help="messages ZeroMQ queues for one connection, and for the next stage",
     )
     memory.add_argument(
         "--max-peer-reply-bytes",
         type=_bytes,
-        default=32 * 2**20,
+        default=bounds.MAX_PEER_REPLY_BYTES,
         help="replies waiting for one connection that does not read: past this it is treated as gone",
     )
     memory.add_argument(
         "--max-reply-bytes",
         type=_bytes,
-        default=256 * 2**20,
+        default=bounds.MAX_REPLY_BYTES,
         help="replies waiting for all connections (the ones furthest behind are cut off first)",
     )
     memory.add_argument(
         "--max-peer-request-bytes",
         type=_bytes,
-        default=128 * 2**20,
+        default=bounds.MAX_PEER_REQUEST_BYTES,
         help="bytes one connection's requests in progress hold; more: busy",
     )
     memory.add_argument(
-        "--max-request-bytes", type=_bytes, default=512 * 2**20, help="bytes all requests in progress hold; more: busy"
+        "--max-request-bytes",
+        type=_bytes,
+        default=bounds.MAX_REQUEST_BYTES,
+        help="bytes all requests in progress hold; more: busy",
     )
     memory.add_argument(
         "--max-next-outbox-bytes",
         type=_bytes,
-        default=256 * 2**20,
+        default=bounds.MAX_OUTBOX_BYTES,
         help="requests waiting to go out to the next stage; more fails with downstream",
     )
     serve.add_argument("--downstream-timeout", type=float, default=30.0, help="seconds to wait for the next stage")

@@ -40,6 +40,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from neuron_tai.security import ClientCurve
 from transport.keepalive import LeaseKeeper
+from transport.memory_bounds import MAX_OUTBOX_BYTES
 from transport.requester import ClientClosed, OutboxFull, Reply, Requester
 from transport.trio_zmq import TrioSocket
 from transport.wire import NEXT_STAGE_REPLY_LIMITS, WireError, check_reply
@@ -72,7 +73,7 @@ class NextStage:
         curve: ClientCurve | None = None,
         connect_wait_s: float = CONNECT_WAIT_S,
         send_hwm: int | None = None,
-        max_outbox_bytes: int = 256 * 2**20,
+        max_outbox_bytes: int = MAX_OUTBOX_BYTES,
     ) -> None:
         sock = ctx.socket(zmq.DEALER)
         if curve is not None:  # the node's own key pair, and the next stage's public key

@@ -55,6 +55,7 @@ from neuron_tai.downstream import NextStage
 from neuron_tai.generation import EndReason, EndRule, Generation
 from neuron_tai.security import AllowList, ClientCurve, ServerCurve, is_loopback, make_curve_server, open_zmq_context
 from protocol.errors import ErrorCode
+from transport import memory_bounds as bounds
 from transport import wire
 from transport.pump import SocketPump
 from transport.requester import Reply
@@ -68,21 +69,21 @@ class NodeConfig:
     engine: EngineConfig
     bind: str = "tcp://127.0.0.1:5555"
     next: str | None = None
-    max_message_bytes: int = 64 * 2**20
+    max_message_bytes: int = bounds.MAX_MESSAGE_BYTES
     hwm: int = 1000  # ZeroMQ's queue of arriving messages per connection (RCVHWM)
     # ZeroMQ's queue of messages on their way out, per connection (the ROUTER's SNDHWM) and to
     # the next stage. It counts messages: its bytes are at most this many of the largest reply.
-    send_hwm: int = 16
+    send_hwm: int = bounds.SEND_HWM
     # Replies waiting in the node for one connection whose pipe is full, and for all of them
     # together; a connection past either is treated as gone (its sessions are freed).
-    max_peer_reply_bytes: int = 32 * 2**20
-    max_reply_bytes: int = 256 * 2**20
+    max_peer_reply_bytes: int = bounds.MAX_PEER_REPLY_BYTES
+    max_reply_bytes: int = bounds.MAX_REPLY_BYTES
     # Bytes that requests in progress hold (their payloads and, on a chain head, the hidden
     # states sent on), per connection and in total; beyond either a request is `busy` at once.
-    max_peer_request_bytes: int = 128 * 2**20
-    max_request_bytes: int = 512 * 2**20
+    max_peer_request_bytes: int = bounds.MAX_PEER_REQUEST_BYTES
+    max_request_bytes: int = bounds.MAX_REQUEST_BYTES
     # Requests waiting to go out to the next stage (behind ZeroMQ's `send_hwm`).
-    max_next_outbox_bytes: int = 256 * 2**20
+    max_next_outbox_bytes: int = bounds.MAX_OUTBOX_BYTES
     downstream_timeout_s: float = 30.0
     metrics_port: int | None = None
     metrics_bind: str = "127.0.0.1"

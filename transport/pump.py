@@ -29,6 +29,7 @@ from collections.abc import Callable
 import trio
 import zmq
 
+from transport.memory_bounds import MAX_PEER_REPLY_BYTES, MAX_REPLY_BYTES
 from transport.trio_zmq import TrioSocket
 
 RETRY_PARKED_S = 0.005
@@ -49,10 +50,10 @@ class SocketPump:
         on_message: Callable[[list[bytes]], None],
         *,
         max_outbox: int = 4096,
-        max_bytes: int = 256 * 2**20,
+        max_bytes: int = MAX_REPLY_BYTES,
         routed: bool = False,
         max_parked: int = 256,
-        max_peer_bytes: int = 32 * 2**20,
+        max_peer_bytes: int = MAX_PEER_REPLY_BYTES,
         max_gone: int = 4096,
         on_peer_gone: Callable[[bytes], None] | None = None,
     ) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 
 import trio
 
+from transport.memory_bounds import MAX_OUTBOX_BYTES
 from transport.pump import SocketPump
 from transport.trio_zmq import TrioSocket
 from transport.wire import REPLY_LIMITS, HeaderLimits, WireError, decode_reply, encode
@@ -54,7 +55,7 @@ class Requester:
         sock: TrioSocket,
         *,
         max_outbox: int = 4096,
-        max_outbox_bytes: int = 256 * 2**20,
+        max_outbox_bytes: int = MAX_OUTBOX_BYTES,
         limits: HeaderLimits = REPLY_LIMITS,
     ) -> None:
         self.sock = sock
