@@ -385,11 +385,11 @@ def generate_by_steps(peer: Peer, session: str, steps: int) -> int:
 BURST = 200
 
 
-def flooding(
-    peer: Peer, make: Callable[[int], int], burst: int
-) -> tuple[threading.Event, threading.Thread, Counter[str]]:
-    """A thread that sends `burst` requests (`make(i)` sends the i-th) and reads their replies,
-    over and over until told to stop; replies are tallied by op (and by code for errors)."""
+@contextmanager
+def flooding(peer: Peer, make: Callable[[int], int], burst: int) -> Iterator[Counter[str]]:
+    """While inside: a thread sends `burst` requests (`make(i)` sends the i-th) and reads their
+    replies, over and over; replies are tallied by op (and by code for errors). On the way out
+    it finishes its burst and stops."""
     stop, tally = threading.Event(), Counter[str]()
 
     def run() -> None:
@@ -405,7 +405,11 @@ def flooding(
 
     thread = threading.Thread(target=run)
     thread.start()
-    return stop, thread, tally
+    try:
+        yield tally
+    finally:
+        stop.set()
+        thread.join()
 
 
 def test_a_flood_of_closes_never_makes_another_peer_busy_and_is_never_busy(tiny_model: Path) -> None:
@@ -415,12 +419,8 @@ def test_a_flood_of_closes_never_makes_another_peer_busy_and_is_never_busy(tiny_
             assert attacker.request("open", session=session, max_tokens=8)[0]["op"] == "opened"
         assert victim.request("open", session="v", max_tokens=64)[0]["op"] == "opened"
         names = ["a0", "a1", *(f"gone{i}" for i in range(50))]
-        stop, thread, tally = flooding(attacker, lambda i: attacker.send("close", session=names[i % len(names)]), BURST)
-        try:
+        with flooding(attacker, lambda i: attacker.send("close", session=names[i % len(names)]), BURST) as tally:
             busy = generate_by_steps(victim, "v", 40)
-        finally:
-            stop.set()
-            thread.join()
         assert busy == 0, f"the victim's generation was answered busy {busy} times"
         assert set(tally) == {"closed", "existed"} and tally["closed"] >= BURST, tally
         assert tally["existed"] == 2, "each of the attacker's sessions was closed once, by the first close"
@@ -440,12 +440,8 @@ def test_a_flood_of_opens_and_steps_never_makes_another_peer_busy(tiny_model: Pa
                 return attacker.send("open", session=f"o{i % 64}", max_tokens=4)
             return attacker.send("step", one, session=f"x{i}", pos=0, n=1, input="tokens", out="token")
 
-        stop, thread, tally = flooding(attacker, send, BURST)
-        try:
+        with flooding(attacker, send, BURST) as tally:
             busy = generate_by_steps(victim, "v", 40)
-        finally:
-            stop.set()
-            thread.join()
         assert busy == 0, f"the victim's generation was answered busy {busy} times"
         assert tally["unknown_session"] > 0 and tally["opened"] == 3, tally  # the node holds 4 sessions
         stats = victim.request("stats")[0]["stats"]
