@@ -24,7 +24,7 @@ lint: setup
 bench-setup: setup
     {{py}} -m pip install -q -e ".[bench]"
 
-# Nodes, chain, peers at concurrency 1-16, proofs, burst (evidence/DGR-012); full: kernels, CURVE, multi-host, gateway too.
+# Nodes, chain, peers at concurrency 1-16, proofs, burst (evidence/DGR-012); full: kernels, CURVE, stage costs, multi-host, gateway, chaos too.
 bench mode="full": bench-setup
     status=0; \
     {{py}} -m bench.report {{mode}} || status=$?; \
@@ -36,6 +36,7 @@ bench mode="full": bench-setup
         {{py}} -m bench.gateway_bench --out evidence/gateway.json || status=1; \
         {{py}} -m bench.pipeline_evidence || status=1; \
         {{py}} -m bench.attach || status=1; \
+        {{py}} -m bench.chaos || status=1; \
     fi; \
     exit $status
 
