@@ -58,7 +58,7 @@ from bench.chaos_drivers import (
 )
 from bench.common import WORK, command_line, shown, write_evidence
 from bench.hostile import Target
-from bench.interrupts import interrupt_on_signals, run_until_interrupted
+from bench.interrupts import run_main, run_until_interrupted
 from bench.processes import Processes, free_ports, node_ready, open_processes
 from bench.progress import say
 from bench.rss import MemoryTrack
@@ -481,11 +481,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    interrupt_on_signals()
-    status = 1
-    try:
-        status = main()
-    except* KeyboardInterrupt:
-        print("interrupted: every process the chaos run started was stopped", file=sys.stderr)
-        status = 130
-    sys.exit(status)
+    run_main(main, "every process the chaos run started was stopped")

@@ -12,7 +12,7 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable
 from types import FrameType
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 import trio
 
@@ -47,3 +47,16 @@ async def run_until_interrupted(fn: Callable[[], Awaitable[T]]) -> T:
     if not result:
         raise KeyboardInterrupt
     return result[0]
+
+
+def run_main(main: Callable[[], int], stopped: str) -> NoReturn:
+    """Exit with `main()`'s status; on Ctrl-C or SIGTERM (once everything it started is
+    stopped, as `main` guarantees) say what was stopped and exit 130."""
+    interrupt_on_signals()
+    status = 1
+    try:
+        status = main()
+    except* KeyboardInterrupt:
+        print(f"interrupted: {stopped}", file=sys.stderr)
+        status = 130
+    sys.exit(status)

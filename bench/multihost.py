@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import WORK, command_line, gemma_path, shown, table
-from bench.interrupts import interrupt_on_signals
+from bench.interrupts import run_main
 from bench.netns import Topology, open_topology
 from bench.processes import Processes, node_ready, open_processes
 from neuron_tai.shard import weight_balanced_bounds, write_stages
@@ -259,11 +259,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    interrupt_on_signals()
-    status = 1
-    try:
-        status = main()
-    except* KeyboardInterrupt:
-        print("interrupted: every namespace, link and process the bench made was removed", file=sys.stderr)
-        status = 130
-    sys.exit(status)
+    run_main(main, "every namespace, link and process the bench made was removed")

@@ -36,7 +36,7 @@ from bench.bare_waves import run_waves
 from bench.common import EVIDENCE, WORK, BareLoop, command_line, gemma_path, interleaved, shown
 from bench.faults import ENV, Faults
 from bench.faults import SIGNAL as FAULT_SIGNAL
-from bench.interrupts import interrupt_on_signals, run_until_interrupted
+from bench.interrupts import run_main, run_until_interrupted
 from bench.latency import Trace, summarize
 from bench.llama_server import cached_binary, ensure_llama_server
 from bench.node_driver import closed_loop
@@ -441,16 +441,5 @@ def main() -> int:
     return 0
 
 
-def interrupted() -> int:
-    print("interrupted: every process the bench started was stopped", file=sys.stderr)
-    return 130
-
-
 if __name__ == "__main__":
-    interrupt_on_signals()
-    status = 1
-    try:
-        status = main()
-    except* KeyboardInterrupt:  # Ctrl-C or SIGTERM
-        status = interrupted()
-    sys.exit(status)
+    run_main(main, "every process the bench started was stopped")

@@ -16,6 +16,15 @@ TINY_FLAGS = [
 ]  # fmt: skip
 
 
+def alive(pid: int) -> bool:
+    """Whether a process with this pid still exists (a zombie counts until it is reaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 class NodeProcess:
     def __init__(self, model: Path, bind: str, extra: Sequence[str] = ()) -> None:
         self.args = [sys.executable, "-m", "neuron_tai.cli", "serve", str(model), "--bind", bind, *TINY_FLAGS, *extra]

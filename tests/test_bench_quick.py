@@ -15,17 +15,10 @@ import pytest
 
 from bench.faults import ENV as CRASH_ENV
 from bench.systems import BARE, CHAIN, NODE, NODE_FAST, PYTHON
+from tests.nodes import alive
 
 ROOT = Path(__file__).resolve().parent.parent
 REPORT = [sys.executable, "-m", "bench.report", "quick"]
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def test_quick_bench_reports_every_system_and_proves_sessions_never_mix(tmp_path: Path) -> None:

@@ -8,7 +8,6 @@ The last runs the quick chaos run end to end on real node processes and reads it
 from __future__ import annotations
 
 import json
-import os
 import random
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from bench import hostile
 from bench.chaos_report import ANSWERED, CLASS_ORDER
 from bench.fake_stage import OPEN_REPLIES, STEP_REPLIES, FakeStage
 from protocol.errors import ErrorCode
+from tests.nodes import alive
 from transport import wire
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -123,14 +123,6 @@ def test_the_fake_stage_opens_every_other_session_validly() -> None:
         sent = {"v": 1, "op": "open", "rid": rid, "session": f"s{rid}", "max_tokens": 16}
         outcomes.append(_reply_outcome(sent, fake.answer([hostile.pack(sent)])))
     assert outcomes == ["opened", "downstream"] * 4
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def test_quick_chaos_run_passes_every_criterion_and_stops_everything(tmp_path: Path) -> None:

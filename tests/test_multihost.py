@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.nodes import alive
+
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = [sys.executable, "-m", "bench.multihost", "--quick"]
 
@@ -20,14 +22,6 @@ needs_namespaces = pytest.mark.skipif(
     shutil.which("ip") is None or os.geteuid() != 0,
     reason="needs root and the `ip` command (iproute2) to create network namespaces and veth links",
 )
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def leftovers(tag: str) -> list[str]:
