@@ -29,9 +29,9 @@ bench mode="full": bench-setup
     status=0; \
     {{py}} -m bench.report {{mode}} || status=$?; \
     if [ "{{mode}}" = full ] && [ "$status" != 130 ]; then \
-        {{py}} -m bench.kernel_paths --reps 3 || status=1; \
-        {{py}} -m bench.curve_cost --reps 3 || status=1; \
-        {{py}} -m bench.stage_cost --reps 3 || status=1; \
+        {{py}} -m bench.kernel_paths --reps 2 || status=1; \
+        {{py}} -m bench.curve_cost --reps 2 || status=1; \
+        {{py}} -m bench.stage_cost --reps 2 || status=1; \
         {{py}} -m bench.multihost --out evidence/multihost.json || status=1; \
         {{py}} -m bench.gateway_bench --out evidence/gateway.json || status=1; \
         {{py}} -m bench.pipeline_evidence || status=1; \

@@ -241,7 +241,7 @@ def _corruption(r: dict[str, Any]) -> str:
     )
     return "\n".join(["## Corruption proof (bit-exact, nodes in batch-invariant mode)", "",
                       "Nodes started with `--batch-invariant`: decode batches padded to a multiple of 8 rows, "
-                      "prefill in calls of its own, closed sessions' KV cells held until the node is idle. "
+                      "prefill in calls of its own, closed sessions' KV cells held until a compaction frees them. "
                       "Reference: each of 8 sessions run alone on the single node.", "",
                       _table(["check", "sessions", "tokens compared", "mismatches"], rows), "",
                       f"**mismatches: {r['mismatches']}** (any mismatch is printed and makes the bench exit 1)."
