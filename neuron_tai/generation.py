@@ -2,9 +2,10 @@
 
 The node's handler task for a `generate` owns the run: it steps the session, feeds each
 sampled token back as the next step, and streams the tokens. Other requests reach the
-run only through `Generation`: `cancel` asks it to stop and waits until it has answered
-`done`; `close` asks it to stop and have the session closed once it has. Either way
-their own replies come after the `done`.
+run only through `Generation`: `cancel` asks it to stop and is answered once it has
+answered `done`; `close` asks it to stop and have the session closed once it has. Either
+way their own replies come after the `done`. Neither is a task of its own, so neither is
+ever refused for want of room (a run keeps at most `MAX_PENDING_CANCELS` cancels).
 """
 
 from __future__ import annotations
@@ -24,14 +25,17 @@ class EndReason(enum.StrEnum):
     CANCELLED = "cancelled"
 
 
+MAX_PENDING_CANCELS = 4  # cancels of one run waiting for its end; a client needs one
+
+
 @dataclass(slots=True)
 class Generation:
     """One running `generate`: a stop request from outside, and its end for those who wait on it."""
 
     cancel: trio.Event = field(default_factory=trio.Event)
-    finished: trio.Event = field(default_factory=trio.Event)
     length: int = 0  # the session's length once finished
     close_after: bool = False  # a `close` waits for the run's end: the node closes the session then
+    cancels: list[int] = field(default_factory=list)  # rids of the cancels answered at the run's end
 
 
 @dataclass(frozen=True, slots=True)

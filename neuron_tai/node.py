@@ -52,7 +52,7 @@ from engine.messages import (
 )
 from engine.sampling import SamplingParams
 from neuron_tai.downstream import NextStage
-from neuron_tai.generation import EndReason, EndRule, Generation
+from neuron_tai.generation import MAX_PENDING_CANCELS, EndReason, EndRule, Generation
 from neuron_tai.security import AllowList, ClientCurve, ServerCurve, is_loopback, make_curve_server, open_zmq_context
 from protocol.errors import ErrorCode
 from transport import memory_bounds as bounds
@@ -600,7 +600,8 @@ class Node:
             self.generations[key] = run
 
     def _generation_done(self, key: tuple[bytes, str], run: Generation) -> None:
-        run.finished.set()
+        for rid in run.cancels:  # after the run's `done`
+            self._send(key[0], self._cancelled(rid, key[1], run.length))
         if self.generations.get(key) is run:
             del self.generations[key]
         self._step_done(key)
@@ -665,20 +666,22 @@ class Node:
         return self._deliver(peer, req.session, wire.encode(header, np.array(produced[first:], "<i4").tobytes()))
 
     def _start_cancel(self, peer: bytes, req: wire.Cancel) -> None:
-        """A session that is not generating is answered at once; otherwise once its `done` is out."""
+        """A session that is not generating is answered at once; otherwise once its `done` is out
+        (the run answers its cancels as it ends: no task, so a cancel is never refused for room)."""
         run = self.generations.get((peer, req.session))
         if run is None:
-            self._send(peer, self._cancelled(req, self.engine.length_of(peer, req.session) or 0))
-        elif self._spawn(peer, req.rid, functools.partial(self._cancel, run=run), req):
+            self._send(peer, self._cancelled(req.rid, req.session, self.engine.length_of(peer, req.session) or 0))
+        elif len(run.cancels) >= MAX_PENDING_CANCELS:
+            self._error(peer, req.rid, ErrorCode.BUSY,
+                        f"this session's generation already has {MAX_PENDING_CANCELS} cancels waiting for its end",
+                        self._retry_ms())  # fmt: skip
+        else:
+            run.cancels.append(req.rid)
             run.cancel.set()
 
-    async def _cancel(self, peer: bytes, req: wire.Cancel, *, run: Generation) -> None:
-        await run.finished.wait()
-        self._send(peer, self._cancelled(req, run.length))
-
     @staticmethod
-    def _cancelled(req: wire.Cancel, length: int) -> list[bytes]:
-        return wire.encode({"op": "cancelled", "rid": req.rid, "session": req.session, "length": length})
+    def _cancelled(rid: int, session: str, length: int) -> list[bytes]:
+        return wire.encode({"op": "cancelled", "rid": rid, "session": session, "length": length})
 
     async def _forward_step(self, peer: bytes, req: wire.Step, local: StepDone) -> Reply | None:
         """The next stage's reply to this step. If it lost the session (it restarted) and the

@@ -209,6 +209,41 @@ async def test_cancel_ends_the_run_at_the_next_token(tiny_model: Path) -> None:
         assert cancelled == {"v": 1, "op": "cancelled", "rid": 3, "session": "s", "length": 8}
 
 
+async def test_a_cancel_is_answered_even_when_its_connection_has_no_room_for_another_request(
+    tiny_model: Path,
+) -> None:
+    """A cancel is no task of its own: with the connection's one handler place taken by the
+    run itself, four cancels are answered after its `done`; a fifth waiting one is `busy`."""
+    cfg = NodeConfig(engine_config(tiny_model), bind="tcp://127.0.0.1:0", max_handlers_per_peer=1)
+    async with open_node(cfg) as node:
+        peer = RawPeer(node.address)
+        try:
+            peer.send({"op": "open", "rid": 1, "session": "s", "max_tokens": 40})
+            assert (await peer.recv())[0]["op"] == "opened"
+            with held_decodes(node) as (entered, release):
+                peer.send({"op": "generate", "rid": 2, "session": "s", "pos": 0, "n": 8, "max_new": 30,
+                           "stream": False}, int32(IDS))  # fmt: skip
+                await wait_until(entered.is_set)
+                peer.send(
+                    {"op": "step", "rid": 3, "session": "t", "pos": 0, "n": 1, "input": "tokens", "out": "token"},
+                    int32([1]),
+                )
+                refused, _ = await peer.recv()  # the connection's one place is the run's
+                assert refused["code"] == "busy" and refused["rid"] == 3
+                for rid in range(4, 9):
+                    peer.send({"op": "cancel", "rid": rid, "session": "s"})
+                fifth, _ = await peer.recv()
+                assert fifth["op"] == "error" and fifth["code"] == "busy" and fifth["rid"] == 8
+                assert "4 cancels" in fifth["message"] and stop_asked(node)
+                release.set()
+                replies = [(await peer.recv())[0] for _ in range(5)]
+        finally:
+            peer.close()
+    done, *cancelled = replies
+    assert done["op"] == "done" and done["reason"] == "cancelled" and done["length"] == 8
+    assert cancelled == [{"v": 1, "op": "cancelled", "rid": rid, "session": "s", "length": 8} for rid in range(4, 8)]
+
+
 async def test_close_during_a_run_answers_done_before_closed(tiny_model: Path) -> None:
     async with node_and_client(tiny_model) as (node, c):
         peer = RawPeer(node.address)
