@@ -10,7 +10,7 @@ import trio
 
 from neuron_tai.client import NodeError, open_client
 from neuron_tai.node import NodeConfig, open_node
-from tests.test_generate import IDS, RawPeer, held_decodes, int32, wait_until
+from tests.test_generate import IDS, RawPeer, generating, held_decodes, int32, wait_until
 from tests.test_node import engine_config, prompt
 
 
@@ -151,21 +151,12 @@ async def test_a_flood_during_a_long_decode_leaves_another_connection_its_room(t
 
 async def test_a_second_close_of_a_generating_session_does_not_wait(tiny_model: Path) -> None:
     async with open_node(NodeConfig(engine_config(tiny_model), bind="tcp://127.0.0.1:0")) as node:
-        peer = RawPeer(node.address)
-        try:
-            peer.send({"op": "open", "rid": 1, "session": "s", "max_tokens": 40})
-            assert (await peer.recv())[0]["op"] == "opened"
-            with held_decodes(node) as (entered, release):
-                peer.send({"op": "generate", "rid": 2, "session": "s", "pos": 0, "n": 8, "max_new": 30,
-                           "stream": False}, int32(IDS))  # fmt: skip
-                await wait_until(entered.is_set)
-                peer.send({"op": "close", "rid": 3, "session": "s"})
-                peer.send({"op": "close", "rid": 4, "session": "s"})
-                second, _ = await peer.recv()  # while the run still holds the session
-                assert second == {"v": 1, "op": "closed", "rid": 4, "session": "s", "existed": False}
-                release.set()
-                replies = [(await peer.recv())[0] for _ in range(2)]
-        finally:
-            peer.close()
+        async with generating(node, stream=False) as (peer, release):
+            peer.send({"op": "close", "rid": 3, "session": "s"})
+            peer.send({"op": "close", "rid": 4, "session": "s"})
+            second, _ = await peer.recv()  # while the run still holds the session
+            assert second == {"v": 1, "op": "closed", "rid": 4, "session": "s", "existed": False}
+            release.set()
+            replies = [(await peer.recv())[0] for _ in range(2)]
         assert [(r["op"], r["rid"]) for r in replies] == [("done", 2), ("closed", 3)] and replies[1]["existed"]
         assert node.stats()["sessions_active"] == 0 and not node.closing

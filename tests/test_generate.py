@@ -111,6 +111,24 @@ def int32(ids: list[int]) -> bytes:
     return np.array(ids, "<i4").tobytes()
 
 
+@asynccontextmanager
+async def generating(node: Node, **fields: Any) -> AsyncIterator[tuple[RawPeer, threading.Event]]:
+    """A raw peer whose session "s" runs `generate` (rid 2, up to 30 tokens, with `fields`),
+    held inside its prompt's llama_decode until the caller sets `release` (set on the way
+    out too)."""
+    peer = RawPeer(node.address)
+    try:
+        peer.send({"op": "open", "rid": 1, "session": "s", "max_tokens": 40})
+        assert (await peer.recv())[0]["op"] == "opened"
+        with held_decodes(node) as (entered, release):
+            peer.send({"op": "generate", "rid": 2, "session": "s", "pos": 0, "n": 8, "max_new": 30, **fields},
+                      int32(IDS))  # fmt: skip
+            await wait_until(entered.is_set)
+            yield peer, release
+    finally:
+        peer.close()
+
+
 # -- the same tokens as the step path ----------------------------------------------------------
 
 
@@ -187,20 +205,11 @@ async def test_cancel_ends_the_run_at_the_next_token(tiny_model: Path) -> None:
         expected = await step_path(c, "s", IDS, 12)
         assert await c.cancel("s") == len(IDS) + 11  # not generating: answered at once
         assert await c.cancel("nobody") == 0
-        peer = RawPeer(node.address)
-        try:
-            peer.send({"op": "open", "rid": 1, "session": "s", "max_tokens": 40})
-            assert (await peer.recv())[0]["op"] == "opened"
-            with held_decodes(node) as (entered, release):
-                peer.send({"op": "generate", "rid": 2, "session": "s", "pos": 0, "n": 8, "max_new": 30,
-                           "ignore_eog": True}, int32(IDS))  # fmt: skip
-                await wait_until(entered.is_set)  # the prompt step is inside llama_decode
-                peer.send({"op": "cancel", "rid": 3, "session": "s"})
-                await wait_until(lambda: stop_asked(node))
-                release.set()
-                replies = [await peer.recv() for _ in range(3)]
-        finally:
-            peer.close()
+        async with generating(node, ignore_eog=True) as (peer, release):  # the prompt step is inside llama_decode
+            peer.send({"op": "cancel", "rid": 3, "session": "s"})
+            await wait_until(lambda: stop_asked(node))
+            release.set()
+            replies = [await peer.recv() for _ in range(3)]
         (gen, tokens), (done, _), (cancelled, _) = replies
         assert gen["op"] == "generated" and gen["rid"] == 2 and gen["pos"] == 8 and gen["session"] == "s"
         assert np.frombuffer(tokens[0], "<i4").tolist() == expected[:1]
@@ -215,30 +224,18 @@ async def test_a_cancel_is_answered_even_when_its_connection_has_no_room_for_ano
     """A cancel is no task of its own: with the connection's one handler place taken by the
     run itself, four cancels are answered after its `done`; a fifth waiting one is `busy`."""
     cfg = NodeConfig(engine_config(tiny_model), bind="tcp://127.0.0.1:0", max_handlers_per_peer=1)
-    async with open_node(cfg) as node:
-        peer = RawPeer(node.address)
-        try:
-            peer.send({"op": "open", "rid": 1, "session": "s", "max_tokens": 40})
-            assert (await peer.recv())[0]["op"] == "opened"
-            with held_decodes(node) as (entered, release):
-                peer.send({"op": "generate", "rid": 2, "session": "s", "pos": 0, "n": 8, "max_new": 30,
-                           "stream": False}, int32(IDS))  # fmt: skip
-                await wait_until(entered.is_set)
-                peer.send(
-                    {"op": "step", "rid": 3, "session": "t", "pos": 0, "n": 1, "input": "tokens", "out": "token"},
-                    int32([1]),
-                )
-                refused, _ = await peer.recv()  # the connection's one place is the run's
-                assert refused["code"] == "busy" and refused["rid"] == 3
-                for rid in range(4, 9):
-                    peer.send({"op": "cancel", "rid": rid, "session": "s"})
-                fifth, _ = await peer.recv()
-                assert fifth["op"] == "error" and fifth["code"] == "busy" and fifth["rid"] == 8
-                assert "4 cancels" in fifth["message"] and stop_asked(node)
-                release.set()
-                replies = [(await peer.recv())[0] for _ in range(5)]
-        finally:
-            peer.close()
+    async with open_node(cfg) as node, generating(node, stream=False) as (peer, release):
+        step = {"op": "step", "rid": 3, "session": "t", "pos": 0, "n": 1, "input": "tokens", "out": "token"}
+        peer.send(step, int32([1]))
+        refused, _ = await peer.recv()  # the connection's one place is the run's
+        assert refused["code"] == "busy" and refused["rid"] == 3
+        for rid in range(4, 9):
+            peer.send({"op": "cancel", "rid": rid, "session": "s"})
+        fifth, _ = await peer.recv()
+        assert fifth["op"] == "error" and fifth["code"] == "busy" and fifth["rid"] == 8
+        assert "4 cancels" in fifth["message"] and stop_asked(node)
+        release.set()
+        replies = [(await peer.recv())[0] for _ in range(5)]
     done, *cancelled = replies
     assert done["op"] == "done" and done["reason"] == "cancelled" and done["length"] == 8
     assert cancelled == [{"v": 1, "op": "cancelled", "rid": rid, "session": "s", "length": 8} for rid in range(4, 8)]
@@ -246,20 +243,11 @@ async def test_a_cancel_is_answered_even_when_its_connection_has_no_room_for_ano
 
 async def test_close_during_a_run_answers_done_before_closed(tiny_model: Path) -> None:
     async with node_and_client(tiny_model) as (node, c):
-        peer = RawPeer(node.address)
-        try:
-            peer.send({"op": "open", "rid": 1, "session": "s", "max_tokens": 40})
-            assert (await peer.recv())[0]["op"] == "opened"
-            with held_decodes(node) as (entered, release):
-                peer.send({"op": "generate", "rid": 2, "session": "s", "pos": 0, "n": 8, "max_new": 30,
-                           "stream": False}, int32(IDS))  # fmt: skip
-                await wait_until(entered.is_set)
-                peer.send({"op": "close", "rid": 3, "session": "s"})
-                await wait_until(lambda: stop_asked(node))
-                release.set()
-                (done, payload), (closed, _) = [await peer.recv() for _ in range(2)]
-        finally:
-            peer.close()
+        async with generating(node, stream=False) as (peer, release):
+            peer.send({"op": "close", "rid": 3, "session": "s"})
+            await wait_until(lambda: stop_asked(node))
+            release.set()
+            (done, payload), (closed, _) = [await peer.recv() for _ in range(2)]
         assert done["op"] == "done" and done["reason"] == "cancelled" and done["generated"] == 1
         assert len(payload) == 1 and len(np.frombuffer(payload[0], "<i4")) == 1
         assert closed["op"] == "closed" and closed["existed"] is True
