@@ -407,36 +407,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=bounds.SEND_HWM,
         help="messages ZeroMQ queues for one connection, and for the next stage",
     )
-    memory.add_argument(
-        "--max-peer-reply-bytes",
-        type=_bytes,
-        default=bounds.MAX_PEER_REPLY_BYTES,
-        help="replies waiting for one connection that does not read: past this it is treated as gone",
-    )
-    memory.add_argument(
-        "--max-reply-bytes",
-        type=_bytes,
-        default=bounds.MAX_REPLY_BYTES,
-        help="replies waiting for all connections (the ones furthest behind are cut off first)",
-    )
-    memory.add_argument(
-        "--max-peer-request-bytes",
-        type=_bytes,
-        default=bounds.MAX_PEER_REQUEST_BYTES,
-        help="bytes one connection's requests in progress hold; more: busy",
-    )
-    memory.add_argument(
-        "--max-request-bytes",
-        type=_bytes,
-        default=bounds.MAX_REQUEST_BYTES,
-        help="bytes all requests in progress hold; more: busy",
-    )
-    memory.add_argument(
-        "--max-next-outbox-bytes",
-        type=_bytes,
-        default=bounds.MAX_OUTBOX_BYTES,
-        help="requests waiting to go out to the next stage; more fails with downstream",
-    )
+    for flag, default, text in (
+        ("--max-peer-reply-bytes", bounds.MAX_PEER_REPLY_BYTES,
+         "replies waiting for one connection that does not read: past this it is treated as gone"),
+        ("--max-reply-bytes", bounds.MAX_REPLY_BYTES,
+         "replies waiting for all connections (the ones furthest behind are cut off first)"),
+        ("--max-peer-request-bytes", bounds.MAX_PEER_REQUEST_BYTES,
+         "bytes one connection's requests in progress hold; more: busy"),
+        ("--max-request-bytes", bounds.MAX_REQUEST_BYTES, "bytes all requests in progress hold; more: busy"),
+        ("--max-next-outbox-bytes", bounds.MAX_OUTBOX_BYTES,
+         "requests waiting to go out to the next stage; more fails with downstream"),
+    ):  # fmt: skip
+        memory.add_argument(flag, type=_bytes, default=default, help=text)
     serve.add_argument("--downstream-timeout", type=float, default=30.0, help="seconds to wait for the next stage")
     serve.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on PORT (plain HTTP)")
     serve.add_argument("--metrics-bind", default="127.0.0.1", help="address the metrics endpoint listens on")

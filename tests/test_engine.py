@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -32,6 +30,7 @@ from engine.messages import (
 )
 from engine.sampling import SamplingParams
 from protocol.errors import ErrorCode
+from tests.held import held_decodes, wait_until
 
 
 def config(model: Path, **overrides: Any) -> EngineConfig:
@@ -302,26 +301,6 @@ async def _append(into: list[Result], result: Any) -> None:
     into.append(await result)
 
 
-@contextmanager
-def held_decodes(engine: Engine) -> Iterator[tuple[threading.Event, threading.Event]]:
-    """Every llama_decode waits for `release` (after setting `entered`): the loop stays mid-step
-    and takes nothing from its inbox meanwhile."""
-    entered, release = threading.Event(), threading.Event()
-    original = engine.backend.decode
-
-    def held(segments: Any) -> Any:  # runs on the compute thread
-        entered.set()
-        release.wait(60)
-        return original(segments)
-
-    engine.backend.decode = held  # type: ignore[method-assign]
-    try:
-        yield entered, release
-    finally:
-        release.set()
-        engine.backend.decode = original  # type: ignore[method-assign]
-
-
 async def test_an_owner_past_its_share_of_the_inbox_is_busy_while_others_are_taken(tiny_model: Path) -> None:
     cfg = config(tiny_model, inbox_size=8, max_queued_per_peer=3)
     async with open_engine(cfg) as engine:
@@ -333,13 +312,11 @@ async def test_an_owner_past_its_share_of_the_inbox_is_busy_while_others_are_tak
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_append, flood, engine.request(StepRequest("a", "s", 0, Output.TOKEN,
                                                                               tokens=tokens([1, 5]))))  # fmt: skip
-                while not entered.is_set():
-                    await trio.sleep(0.001)
+                await wait_until(entered.is_set)
                 for i in range(5):  # the loop is inside llama_decode: the inbox is not drained meanwhile
                     step = StepRequest("a", f"x{i}", 0, Output.TOKEN, tokens=tokens([1]))
                     nursery.start_soon(_append, flood, engine.request(step))
-                while len(flood) < 2:
-                    await trio.sleep(0.001)
+                await wait_until(lambda: len(flood) >= 2)
                 nursery.start_soon(_append, other, engine.request(StepRequest("b", "s", 0, Output.TOKEN,
                                                                               tokens=tokens([1, 5]))))  # fmt: skip
                 await trio.sleep(0.05)
@@ -367,12 +344,10 @@ async def test_closes_are_never_refused_and_duplicates_merge(tiny_model: Path) -
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_append, results, engine.request(StepRequest("c", "s0", 0, Output.TOKEN,
                                                                                 tokens=tokens([1, 5]))))  # fmt: skip
-                while not entered.is_set():
-                    await trio.sleep(0.001)
+                await wait_until(entered.is_set)
                 for i in range(3):  # the inbox holds one: the others are refused
                     nursery.start_soon(_append, refused, engine.request(OpenRequest(f"z{i}", "x", 10)))
-                while len(refused) < 2:
-                    await trio.sleep(0.001)
+                await wait_until(lambda: len(refused) >= 2)
                 for name in ("s1", "s1", "s1", "nope"):
                     nursery.start_soon(_append, results, engine.request(CloseRequest("c", name)))
                 await trio.sleep(0.05)

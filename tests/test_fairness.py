@@ -10,7 +10,8 @@ import trio
 
 from neuron_tai.client import NodeError, open_client
 from neuron_tai.node import NodeConfig, open_node
-from tests.test_generate import IDS, RawPeer, generating, held_decodes, int32, wait_until
+from tests.held import held_decodes, wait_until
+from tests.test_generate import IDS, RawPeer, generating, int32
 from tests.test_node import engine_config, prompt
 
 
@@ -32,7 +33,7 @@ async def test_closes_are_answered_while_the_connection_holds_its_cap_of_handler
         async def close(name: str) -> None:
             closes.append(await c.close(name))
 
-        with held_decodes(node) as (entered, release):
+        with held_decodes(node.engine) as (entered, release):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(step, 0)
                 await wait_until(entered.is_set)  # the engine is inside llama_decode, and stays there
@@ -67,7 +68,7 @@ async def test_a_connection_past_its_queue_share_is_busy_and_another_is_served(t
             results.append((await victim.step(name, 0, tokens=IDS)).token)
 
         try:
-            with held_decodes(node) as (entered, release):
+            with held_decodes(node.engine) as (entered, release):
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(step, "v1")
                     await wait_until(entered.is_set)  # nothing leaves the engine's queue meanwhile
@@ -112,7 +113,7 @@ async def test_a_flood_during_a_long_decode_leaves_another_connection_its_room(t
             attacker.send({"op": "open", "rid": 1, "session": "mine", "max_tokens": 8})
             assert (await attacker.recv())[0]["op"] == "opened"
             inbox = node.engine._inbox.statistics
-            with held_decodes(node) as (entered, release):
+            with held_decodes(node.engine) as (entered, release):
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(step, "v1")
                     await wait_until(entered.is_set)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,7 @@ import zmq
 from neuron_tai.client import Client, Done, Generated, NodeError, open_client
 from neuron_tai.node import Node, NodeConfig, open_node
 from neuron_tai.testmodel import TinySpec, write_tiny_model
+from tests.held import held_decodes, wait_until
 from tests.test_node import engine_config, node_and_client, prompt
 
 IDS = prompt(1, 8)
@@ -51,36 +52,9 @@ async def generate(client: Client, session: str, pos: int, ids: list[int], max_n
     return done
 
 
-@contextmanager
-def held_decodes(node: Node) -> Iterator[tuple[threading.Event, threading.Event]]:
-    """Every llama_decode waits for `release` (after setting `entered`): the node stays mid-step."""
-    entered, release = threading.Event(), threading.Event()
-    original = node.engine.backend.decode
-
-    def held(segments: Any) -> Any:  # runs on the compute thread
-        entered.set()
-        release.wait(60)
-        return original(segments)
-
-    node.engine.backend.decode = held  # type: ignore[method-assign]
-    try:
-        yield entered, release
-    finally:
-        release.set()
-        node.engine.backend.decode = original  # type: ignore[method-assign]
-
-
 def stop_asked(node: Node) -> bool:
     """The node's running generates have all been asked to stop."""
     return bool(node.generations) and all(run.cancel.is_set() for run in node.generations.values())
-
-
-async def wait_until(condition: Any) -> None:
-    for _ in range(2000):
-        if condition():
-            return
-        await trio.sleep(0.005)
-    raise AssertionError("condition never held")
 
 
 class RawPeer:
@@ -120,7 +94,7 @@ async def generating(node: Node, **fields: Any) -> AsyncIterator[tuple[RawPeer, 
     try:
         peer.send({"op": "open", "rid": 1, "session": "s", "max_tokens": 40})
         assert (await peer.recv())[0]["op"] == "opened"
-        with held_decodes(node) as (entered, release):
+        with held_decodes(node.engine) as (entered, release):
             peer.send({"op": "generate", "rid": 2, "session": "s", "pos": 0, "n": 8, "max_new": 30, **fields},
                       int32(IDS))  # fmt: skip
             await wait_until(entered.is_set)
@@ -264,7 +238,7 @@ async def test_a_generating_session_is_busy(tiny_model: Path) -> None:
         async def run() -> None:
             outcome.append(await generate(c, "s", 0, IDS, 30, ignore_eog=True))
 
-        with held_decodes(node) as (entered, release):
+        with held_decodes(node.engine) as (entered, release):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(run)
                 await wait_until(entered.is_set)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -20,6 +19,7 @@ from engine.backend import DecodeFailed, DecodeOutcome
 from engine.engine import EngineConfig
 from neuron_tai.client import Client, NodeError, open_client
 from neuron_tai.node import Node, NodeConfig, open_node
+from tests.held import held_decodes, wait_until
 from tests.nodes import NodeProcess, running
 
 
@@ -305,25 +305,15 @@ async def test_ping_is_answered_while_the_engine_is_saturated(tiny_model: Path) 
     async with open_node(cfg) as node, open_client(node.address, timeout_s=30, retries=0) as c:
         for i in range(4):
             await c.open(f"s{i}", 200)
-        entered, release = threading.Event(), threading.Event()
-        original = node.engine.backend.decode
-
-        def stuck(segments: Any) -> Any:  # runs on the compute thread
-            entered.set()
-            release.wait(60)
-            return original(segments)
-
-        node.engine.backend.decode = stuck  # type: ignore[method-assign]
         tokens: list[int | None] = []
 
         async def step(i: int) -> None:
             tokens.append((await c.step(f"s{i}", 0, tokens=prompt(i, 20))).token)
 
-        try:
+        with held_decodes(node.engine) as (entered, release):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(step, 0)
-                while not entered.is_set():  # the engine is inside llama_decode, and stays there
-                    await trio.sleep(0.01)
+                await wait_until(entered.is_set)  # the engine is inside llama_decode, and stays there
                 for i in range(1, 4):
                     nursery.start_soon(step, i)
                 while (await c.stats())["handlers_active"] < 4:
@@ -336,8 +326,6 @@ async def test_ping_is_answered_while_the_engine_is_saturated(tiny_model: Path) 
                 assert stats["handlers_active"] == 4 and stats["handlers_refused_total"] == 1
                 assert stats["queue_depth"] >= 1 and stats["errors_total"]["busy"] == 1
                 release.set()
-        finally:
-            release.set()
         assert len(tokens) == 4 and all(t is not None for t in tokens)
         assert (await c.stats())["handlers_active"] == 0
 
