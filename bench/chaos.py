@@ -56,7 +56,7 @@ from bench.chaos_drivers import (
     stats_peaks,
     valid_load,
 )
-from bench.common import WORK, command_line, shown, write_evidence
+from bench.common import WORK, command_line, shown, tiny_model, write_evidence
 from bench.hostile import Target
 from bench.interrupts import run_main, run_until_interrupted
 from bench.processes import Processes, free_ports, node_ready, open_processes
@@ -65,14 +65,14 @@ from bench.rss import MemoryTrack
 from bench.workload import CORPUS, Request, make_requests
 from neuron_tai.client import open_client
 from neuron_tai.shard import write_stages
-from neuron_tai.testmodel import TinySpec, vocabulary, write_tiny_model
+from neuron_tai.testmodel import TinySpec, vocabulary
 
 LEASE_MARGIN_S = 2.0  # past one lease, before `stats` is read: the node's lease timer and the chain's closes
 MEMORY_PERIOD_S = 0.5
 PROBE_MAX_S = 900.0  # the prober stops by itself after this long, whatever happens to the bench
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Plan:
     """What one chaos run does, and the bounds it is judged by."""
 
@@ -80,7 +80,7 @@ class Plan:
     attack_s: float
     lease_s: float
     quotas: tuple[tuple[str, int], ...]  # hostile peer role -> messages over the attack
-    never_read_per_connection: int
+    never_read_per_connection: int = 4000
     oversize_per_target: int
     valid_requests: int
     valid_max_new: int
@@ -92,8 +92,8 @@ class Plan:
     down_s: float  # down this long, then started again
     min_hostile: int
     quiet_s: float  # pings of the idle nodes before the attack
-    rss_peak_mib: float  # no node's VmHWM above this
-    rss_final_mib: float  # no node's VmRSS above this once the clients have left
+    rss_peak_mib: float = 512.0  # no node's VmHWM above this
+    rss_final_mib: float = 256.0  # no node's VmRSS above this once the clients have left
     # The node's default cache: batch-invariant nodes hold closed sessions' cells until a compaction
     # frees them, so under steady traffic the cache must be compacted again and again.
     kv_cells: int = 4096
@@ -104,15 +104,15 @@ class Plan:
 FULL = Plan(mode="full", attack_s=90.0, lease_s=3.0,
             quotas=(("garbage", 60_000), ("fields", 25_000), ("flood", 25_000), ("huge", 500), ("never_read", 32_000),
                     ("vanish", 1200)),
-            never_read_per_connection=4000, oversize_per_target=2, valid_requests=6, valid_max_new=24,
+            oversize_per_target=2, valid_requests=6, valid_max_new=24,
             valid_concurrency=3, valid_think_s=0.5, malformed_workers=2, kill_every_s=5.0, freeze_s=4.0, down_s=1.0,
-            min_hostile=100_000, quiet_s=5.0, rss_peak_mib=512.0, rss_final_mib=256.0)  # fmt: skip
+            min_hostile=100_000, quiet_s=5.0)  # fmt: skip
 QUICK = Plan(mode="quick", attack_s=15.0, lease_s=2.0,
              quotas=(("garbage", 4000), ("fields", 2000), ("flood", 2000), ("huge", 40), ("never_read", 8000),
                      ("vanish", 120)),
-             never_read_per_connection=4000, oversize_per_target=1, valid_requests=3, valid_max_new=12,
+             oversize_per_target=1, valid_requests=3, valid_max_new=12,
              valid_concurrency=2, valid_think_s=0.2, malformed_workers=1, kill_every_s=1.0, freeze_s=3.5, down_s=0.5,
-             min_hostile=10_000, quiet_s=2.0, rss_peak_mib=512.0, rss_final_mib=256.0)  # fmt: skip
+             min_hostile=10_000, quiet_s=2.0)  # fmt: skip
 
 SINGLE, HEAD, TAIL, RESTART_HEAD, MALFORMED_HEAD, FAKE = (
     "single", "chain-head", "chain-tail", "restart-head", "malformed-head", "fake-stage")  # fmt: skip
@@ -385,9 +385,7 @@ def restart_report(out: Outcomes, cycles: list[dict[str, Any]]) -> dict[str, Any
 
 
 def start_nodes(procs: Processes, plan: Plan, work: Path) -> tuple[dict[str, str], RestartedTail]:
-    model = work / "tiny-llama.gguf"
-    if not model.exists():
-        write_tiny_model(model)
+    model = tiny_model(work)
     head_model, tail_model = write_stages(model, work / "shards", [(0, 2), (2, 4)])
     ports = free_ports(7)
     names = (SINGLE, HEAD, TAIL, RESTART_HEAD, RESTART_TAIL, MALFORMED_HEAD, FAKE)

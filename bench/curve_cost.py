@@ -28,7 +28,7 @@ from pathlib import Path
 
 import trio
 
-from bench.common import PROMPT_TEXTS, WORK, paired_ratio, table
+from bench.common import PROMPT_TEXTS, WORK, paired_ratio, table, tiny_model
 from bench.processes import Processes, free_ports, node_ready, open_processes
 from neuron_tai.client import Client, open_client
 from neuron_tai.security import create_key_pair
@@ -129,9 +129,7 @@ def main() -> int:
     work = WORK / "curve"
     work.mkdir(parents=True, exist_ok=True)
     if args.quick:
-        from neuron_tai.testmodel import write_tiny_model  # noqa: PLC0415
-
-        model = write_tiny_model(work / "tiny-llama.gguf")
+        model = tiny_model(work)
         split = [(0, 2), (2, 4)]
         args.reps, args.steps = min(args.reps, 2), min(args.steps, 8)
         out = args.out or work / "curve-quick.json"

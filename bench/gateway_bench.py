@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 import trio
 
-from bench.common import WORK, command_line, gemma_path, shown
+from bench.common import WORK, command_line, gemma_path, shown, tiny_model
 from bench.latency import percentile_ms
 from bench.llama_server import cached_binary, ensure_llama_server
 from bench.processes import Processes, free_ports, node_ready, open_processes
@@ -35,7 +35,6 @@ from bench.workload import CORPUS, Request, make_requests
 from engine.llama_handles import weight_placement
 from neuron_tai.client import open_client
 from neuron_tai.shard import weight_balanced_bounds, write_stages
-from neuron_tai.testmodel import write_tiny_model
 
 SLOTS = 8  # node sessions and llama-server slots
 
@@ -117,13 +116,7 @@ async def closed_loop(url: str, model: str, requests: list[Request], concurrency
 
 
 def model_for(quick: bool) -> Path:
-    if not quick:
-        return gemma_path()
-    path = WORK / "tiny" / "tiny-llama.gguf"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_tiny_model(path)
-    return path
+    return tiny_model() if quick else gemma_path()
 
 
 def start(procs: Processes, model: Path, plan: Plan, quick: bool) -> tuple[dict[str, str], str]:

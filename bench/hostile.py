@@ -130,7 +130,7 @@ def wide_msgpack(rng: random.Random, i: int, t: Target) -> Frames:
 # -- huge strings and frames --------------------------------------------------------------
 
 
-def _text(n: int, rng: random.Random) -> str:
+def _text(n: int) -> str:
     letters = "the quick brown fox jumps over a lazy dog "
     return (letters * (n // len(letters) + 1))[:n]
 
@@ -147,17 +147,17 @@ def huge_strings(rng: random.Random, i: int, t: Target) -> Frames:
     if case in (5, 7) and (i // 10) % HEAVY_EVERY:
         case = 0
     if case == 0:
-        return [header("tokenize", i, text=_text(t.max_text_bytes + 1, rng))]  # too_large, unparsed work
+        return [header("tokenize", i, text=_text(t.max_text_bytes + 1))]  # too_large, unparsed work
     if case == 1:
-        return [header("ping", i, pad=_text(t.max_header_bytes + 1, rng))]  # too_large: the header frame
+        return [header("ping", i, pad=_text(t.max_header_bytes + 1))]  # too_large: the header frame
     if case == 2:
-        return [header("ping", i, pad=_text(2 * t.max_header_bytes, rng))]
+        return [header("ping", i, pad=_text(2 * t.max_header_bytes))]
     if case == 3:
-        return [header("close", i, session=_text(t.max_text_bytes, rng))]  # a 1 MiB session id
+        return [header("close", i, session=_text(t.max_text_bytes))]  # a 1 MiB session id
     if case == 4:
-        return [header(_text(t.max_text_bytes // 2, rng), i)]  # a 512 KiB op
+        return [header(_text(t.max_text_bytes // 2), i)]  # a 512 KiB op
     if case == 5:  # the most text a tokenize takes: real work, then more ids than the node gives back
-        return [header("tokenize", i, text=_text(t.max_text_bytes, rng))]
+        return [header("tokenize", i, text=_text(t.max_text_bytes))]
     if case == 6:
         return [header("detokenize", i), int32(np.zeros(t.max_text_tokens + 1, np.int32))]  # too_large
     if case == 7:  # the most ids a detokenize takes: real work, a long text back
@@ -296,11 +296,9 @@ def out_of_range(rng: random.Random, i: int, t: Target, session: str) -> Frames:
 
 # -- floods of cheap requests --------------------------------------------------------------
 
-FLOOD_KINDS = ("ping", "stats", "close", "open")
-
 
 def flood(kind: str, i: int) -> Frames:
-    """One cheap request; a flood `open` is closed by the next message the peer sends (`flood_close_after`)."""
+    """One cheap request; the peer closes a flood `open` once it is opened (chaos_peer `_close_when_opened`)."""
     if kind == "ping":
         return [header("ping", i)]
     if kind == "stats":
@@ -308,10 +306,6 @@ def flood(kind: str, i: int) -> Frames:
     if kind == "close":
         return [header("close", i, session=f"flood-never-{i % 97}")]
     return [header("open", i, session=f"flood-{i}", max_tokens=16)]
-
-
-def flood_close_after(i: int) -> Frames:
-    return [header("close", i, session=f"flood-{i}")]
 
 
 # -- the classes, by name -------------------------------------------------------------------

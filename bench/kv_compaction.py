@@ -23,15 +23,16 @@ import numpy as np
 
 from bench.common import gemma_path, shown, write_evidence
 from engine.backend import ContextConfig, Segment, StageBackend
+from engine.kernels import INVARIANT_PAD_ROWS
 from engine.messages import Output
+from engine.scheduler import INVARIANT_MAX_ROWS  # batch-invariant calls stay below flash attention's 64-row tile
 
 CONFIG = ContextConfig(n_seq_max=14, n_ctx=4096, n_batch=64, n_ubatch=64, kv_type="f16", flash_attn=True)
-CHUNK = 63  # batch-invariant calls stay below flash attention's 64-row tile
 
 
 def fill(backend: StageBackend, seq: int, n: int, rng: np.random.Generator) -> None:
-    for start in range(0, n, CHUNK):
-        rows = rng.integers(10, 20_000, min(CHUNK, n - start)).astype(np.int32)
+    for start in range(0, n, INVARIANT_MAX_ROWS):
+        rows = rng.integers(10, 20_000, min(INVARIANT_MAX_ROWS, n - start)).astype(np.int32)
         backend.decode([Segment(seq, backend.length(seq), rows)])
 
 
@@ -56,7 +57,8 @@ def decode_after(backend: StageBackend, seqs: list[int], pad: int, steps: int) -
         token = 2
         for _ in range(steps):
             row = Segment(seq, backend.length(seq), np.array([token], np.int32), output=Output.LOGITS)
-            r, _ = backend.decode([row, Segment(pad, 0, np.zeros(7, np.int32), output=Output.PAD)])
+            padding = np.zeros(INVARIANT_PAD_ROWS[backend.model.kernel_path.value] - 1, np.int32)
+            r, _ = backend.decode([row, Segment(pad, 0, padding, output=Output.PAD)])
             backend.rewind(pad, 0)
             assert r.logits is not None
             out.append(r.logits.tobytes())

@@ -38,12 +38,11 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from bench.common import WORK, command_line, gemma_path, shown, table
+from bench.common import WORK, command_line, gemma_path, shown, table, tiny_model
 from bench.interrupts import run_main
 from bench.netns import Topology, open_topology
 from bench.processes import Processes, node_ready, open_processes
 from neuron_tai.shard import weight_balanced_bounds, write_stages
-from neuron_tai.testmodel import write_tiny_model
 
 HOSTS = ("client", "s0", "s1")
 LINKS = (("client", "s0"), ("s0", "s1"))
@@ -81,12 +80,7 @@ QUICK = Plan(mode="quick", requests=8, max_new=8, max_prompt=64, concurrencies=(
 
 def models(plan: Plan, work: Path) -> tuple[Path, list[Path]]:
     """The model and its two halves (head, tail)."""
-    if plan.mode == "quick":
-        model = work / "tiny-llama.gguf"
-        if not model.exists():
-            write_tiny_model(model)
-    else:
-        model = gemma_path()
+    model = tiny_model(work) if plan.mode == "quick" else gemma_path()
     return model, write_stages(model, work / "shards", weight_balanced_bounds(model, 2))
 
 

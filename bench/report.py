@@ -33,7 +33,7 @@ from bench import plots, report_markdown
 from bench.admission import burst
 from bench.aggregate import saturation
 from bench.bare_waves import run_waves
-from bench.common import EVIDENCE, WORK, BareLoop, command_line, gemma_path, interleaved, shown
+from bench.common import EVIDENCE, WORK, BareLoop, command_line, gemma_path, interleaved, shown, tiny_model
 from bench.faults import ENV, Faults
 from bench.faults import SIGNAL as FAULT_SIGNAL
 from bench.interrupts import run_main, run_until_interrupted
@@ -53,7 +53,6 @@ from bench.workload import CORPUS, Request, make_requests
 from engine.backend import ContextConfig
 from engine.llama_handles import weight_placement
 from neuron_tai.client import open_client
-from neuron_tai.testmodel import write_tiny_model
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,13 +86,7 @@ MAX_SESSIONS = 8
 
 
 def bench_model(plan: Plan) -> Path:
-    if plan.mode == "quick":
-        path = WORK / "tiny" / "tiny-llama.gguf"
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write_tiny_model(path)
-        return path
-    return gemma_path()
+    return tiny_model() if plan.mode == "quick" else gemma_path()
 
 
 def shard_in_two(model: Path) -> list[Path]:
@@ -238,14 +231,16 @@ Run = Callable[[list[Request], int, str, Callable[[], None]], Awaitable[tuple[li
 ENGINE_COUNTERS = ("batches_total", "decode_batches_total", "decode_rows_total", "prefill_tokens_total")
 
 
+def decode_use(counts: dict[str, float], decode_s: float, wall: float) -> dict[str, Any]:
+    """A run's llama_decode calls and rows (`counts`), and the time spent inside them against its wall time."""
+    share = round(decode_s / wall, 3) if wall > 0 else None
+    return {**{k: int(v) for k, v in counts.items()}, "llama_decode_s": round(decode_s, 3), "llama_decode_share": share}
+
+
 def engine_use(before: dict[str, Any], after: dict[str, Any], wall: float) -> dict[str, Any]:
-    """What the node's engine did during a run, from its `stats` before and after: llama_decode calls,
-    their rows, and the time spent inside them (against the run's wall time)."""
-    out: dict[str, Any] = {k.removesuffix("_total"): after[k] - before[k] for k in ENGINE_COUNTERS}
-    decode_s = after["step_seconds"]["sum"] - before["step_seconds"]["sum"]
-    out["llama_decode_s"] = round(decode_s, 3)
-    out["llama_decode_share"] = round(decode_s / wall, 3) if wall > 0 else None
-    return out
+    """What the node's engine did during a run, from its `stats` before and after."""
+    counts = {k.removesuffix("_total"): after[k] - before[k] for k in ENGINE_COUNTERS}
+    return decode_use(counts, after["step_seconds"]["sum"] - before["step_seconds"]["sum"], wall)
 
 
 async def node_run(
@@ -294,9 +289,8 @@ async def sweep(
         before = dict(bare.counters)
         traces, wall = run_waves(bare, requests, c)
         use = {k: v - before[k] for k, v in bare.counters.items()}
-        used[tag] = {**{k: int(v) for k, v in use.items() if k != "llama_decode_s"},
-                     "llama_decode_s": round(use["llama_decode_s"], 3),
-                     "llama_decode_share": round(use["llama_decode_s"] / wall, 3)}  # fmt: skip
+        decode_s = use.pop("llama_decode_s")
+        used[tag] = decode_use(use, decode_s, wall)
         return traces, wall
 
     async def python_run(requests: list[Request], _c: int, _tag: str, _armed: object) -> tuple[list[Trace], float]:

@@ -21,12 +21,11 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import WORK, gemma_path, shown, write_evidence
+from bench.common import WORK, gemma_path, interleaved, shown, tiny_model, write_evidence
 from engine.backend import ContextConfig, Segment, StageBackend
 from engine.gguf_facts import read_facts
 from engine.messages import Output
 from neuron_tai.shard import stage_bounds, weight_balanced_bounds, write_stages
-from neuron_tai.testmodel import write_tiny_model
 
 ROWS = (1, 8)
 
@@ -73,13 +72,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=16, help="timed decode steps per repetition and row count")
     parser.add_argument("--quick", action="store_true", help="the tiny test model: checks that it runs")
     args = parser.parse_args()
-    if args.quick:
-        model = WORK / "tiny" / "tiny-llama.gguf"
-        if not model.exists():
-            model.parent.mkdir(parents=True, exist_ok=True)
-            write_tiny_model(model)
-    else:
-        model = gemma_path()
+    model = tiny_model() if args.quick else gemma_path()
     n = read_facts(model).block_count
     splits = {"layers": stage_bounds(n, stages=args.stages), "weights": weight_balanced_bounds(model, args.stages)}
     files: dict[str, Path] = {"whole": model}
@@ -87,10 +80,9 @@ def main() -> int:
         for (a, b), path in zip(bounds, write_stages(model, WORK / "stage-cost" / name, bounds), strict=True):
             files[f"{name} {a}:{b}"] = path
     runs: dict[str, list[dict[int, float]]] = {key: [] for key in files}
-    for rep in range(args.reps):
-        for key in files if rep % 2 == 0 else list(files)[::-1]:
-            runs[key].append(step_ms(files[key], args.steps))
-            print(f"rep {rep + 1}/{args.reps} {key:14} {runs[key][-1]}", flush=True)
+    for rep, key in interleaved(args.reps, list(files)):
+        runs[key].append(step_ms(files[key], args.steps))
+        print(f"rep {rep + 1}/{args.reps} {key:14} {runs[key][-1]}", flush=True)
     median = {key: {r: round(statistics.median(x[r] for x in got), 2) for r in ROWS} for key, got in runs.items()}
     rows: list[dict[str, Any]] = []
     for name, bounds in splits.items():

@@ -153,10 +153,12 @@ def test_interrupted_bench_stops_every_process_it_started(tmp_path: Path, signum
 
 
 def test_stage_cost_times_both_splits_of_the_tiny_model() -> None:
+    out = ROOT / ".bench" / "stage_cost-quick.json"
+    out.unlink(missing_ok=True)  # what this run writes, not what an earlier one left
     cmd = [sys.executable, "-m", "bench.stage_cost", "--quick", "--reps", "1", "--steps", "2"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    got = json.loads((ROOT / ".bench" / "stage_cost-quick.json").read_text())
+    got = json.loads(out.read_text())
     assert [s["split"] for s in got["splits"]] == ["layers", "weights"]
     for split in got["splits"]:
         assert split["bounds"][0][0] == 0 and split["bounds"][-1][1] == 4

@@ -366,12 +366,9 @@ async def test_a_gone_owner_s_waiting_open_is_answered(tiny_model: Path) -> None
         answer: list[Result] = []
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_append, answer, engine.request(OpenRequest("x", "w", 100, wait_ms=60_000)))
-            while engine.stats()["sessions_waiting"] == 0:
-                await trio.sleep(0.001)
+            await wait_until(lambda: engine.stats()["sessions_waiting"] > 0)
             await engine.cleanup(DropOwner("x"))
-            with trio.fail_after(10):  # answered, not left hanging
-                while not answer:
-                    await trio.sleep(0.001)
+            await wait_until(lambda: bool(answer))  # answered (within 10 s), not left hanging
         assert isinstance(answer[0], Failure) and answer[0].code == "unknown_session"
         assert engine.stats()["sessions_waiting"] == 0 and engine.stats()["sessions_active"] == 1
 

@@ -22,6 +22,7 @@ import zmq
 
 from bench.processes import free_ports
 from tests.nodes import NodeProcess, running
+from tests.test_wire import STAGE
 
 REPLY_TIMEOUT_MS = 30_000  # "no reply" only: no assertion depends on how fast a reply is
 
@@ -79,6 +80,34 @@ def header_with(op_bytes: bytes) -> bytes:
 
 def reply(op: str, rid: Any, **keys: Any) -> bytes:
     return pack({"v": 1, "op": op, "rid": rid, **keys})
+
+
+@contextmanager
+def fake_next_stage() -> Iterator[tuple[zmq.Socket[bytes], str]]:
+    """A ROUTER standing in for a head's next stage, answering what the test tells it to: the
+    socket and its address."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        yield sock, f"tcp://127.0.0.1:{port}"
+    finally:
+        sock.close()
+        ctx.destroy(linger=0)
+
+
+def forwarded(fake_next: zmq.Socket[bytes], op: str | None = None) -> tuple[bytes, dict[str, Any]]:
+    """The next request the head sends on; with `op`, the next of that kind (pings answered, the
+    rest let be)."""
+    while True:
+        assert fake_next.poll(REPLY_TIMEOUT_MS), f"no {op or 'request'} was forwarded"
+        frames = fake_next.recv_multipart()
+        req = msgpack.unpackb(frames[1])
+        if op is None or req["op"] == op:
+            return frames[0], req
+        if req["op"] == "ping":
+            fake_next.send_multipart([frames[0], reply("pong", req["rid"])])
 
 
 def test_nested_and_huge_headers_do_not_stop_the_node(tiny_model: Path) -> None:
@@ -152,74 +181,64 @@ def test_max_size_tokenize_runs_off_the_event_loop(tiny_model: Path) -> None:
 
 
 def test_garbage_from_the_next_stage_is_downstream_not_a_stopped_node(tiny_shards2: list[Path]) -> None:
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    fake_next = ctx.socket(zmq.ROUTER)  # a next stage that answers what the test tells it to
-    fake_next.setsockopt(zmq.LINGER, 0)
-    port = fake_next.bind_to_random_port("tcp://127.0.0.1")
-    try:
-        with node_process(tiny_shards2[0], "--next", f"tcp://127.0.0.1:{port}") as (head, node_ctx):
-            client = Peer(node_ctx, head.address)
+    with (
+        fake_next_stage() as (fake_next, address),
+        node_process(tiny_shards2[0], "--next", address) as (head, node_ctx),
+    ):
+        client = Peer(node_ctx, head.address)
 
-            def forwarded() -> tuple[bytes, dict[str, Any]]:
-                assert fake_next.poll(REPLY_TIMEOUT_MS), "nothing was forwarded"
-                frames = fake_next.recv_multipart()
-                return frames[0], msgpack.unpackb(frames[1])
+        def open_answered_with(make: Any) -> dict[str, Any]:
+            client.send("open", session="s", max_tokens=16)
+            peer, req = forwarded(fake_next)
+            assert req["op"] == "open"
+            fake_next.send_multipart([peer, *make(req["rid"])])
+            return client.recv()[0]
 
-            def open_answered_with(make: Any) -> dict[str, Any]:
-                client.send("open", session="s", max_tokens=16)
-                peer, req = forwarded()
-                assert req["op"] == "open"
-                fake_next.send_multipart([peer, *make(req["rid"])])
-                return client.recv()[0]
+        garbage = [
+            lambda rid: [reply("result", rid)],  # the wrong answer
+            lambda rid: [reply("opened", rid, stage={"last": "yes"})],
+            lambda rid: [reply("opened", rid, stage={**STAGE, "layers": [9]})],
+            lambda rid: [reply("opened", rid, stage=STAGE), b"extra"],
+            lambda rid: [reply("error", rid, code=[1], message="x")],
+            lambda rid: [reply("error", rid, code="busy", retry_after_ms=-5)],
+            lambda rid: [b"\x91" * 2000 + b"\xc0"],  # not readable at all: no answer, then downstream
+            lambda rid: [reply("opened", [rid], stage=STAGE)],  # cannot be matched: no answer
+        ]
+        for make in garbage:
+            answer = open_answered_with(make)
+            assert answer["op"] == "error" and answer["code"] == "downstream", answer
+        relayed = open_answered_with(lambda rid: [reply("error", rid, code="busy", message="m" * 5000)])
+        assert relayed["code"] == "busy" and len(relayed["message"]) <= 512
+        opened = open_answered_with(lambda rid: [reply("opened", rid, stage=STAGE, kv_reserved=16)])
+        assert opened["op"] == "opened" and opened["stage"]["layers"] == [0, 4]
 
-            stage = {"first": False, "last": True, "layers": [2, 4], "max_step_tokens": 64, "eog_tokens": [2]}
-            garbage = [
-                lambda rid: [reply("result", rid)],  # the wrong answer
-                lambda rid: [reply("opened", rid, stage={"last": "yes"})],
-                lambda rid: [reply("opened", rid, stage={**stage, "layers": [9]})],
-                lambda rid: [reply("opened", rid, stage=stage), b"extra"],
-                lambda rid: [reply("error", rid, code=[1], message="x")],
-                lambda rid: [reply("error", rid, code="busy", retry_after_ms=-5)],
-                lambda rid: [b"\x91" * 2000 + b"\xc0"],  # not readable at all: no answer, then downstream
-                lambda rid: [reply("opened", [rid], stage=stage)],  # cannot be matched: no answer
-            ]
-            for make in garbage:
-                answer = open_answered_with(make)
-                assert answer["op"] == "error" and answer["code"] == "downstream", answer
-            relayed = open_answered_with(lambda rid: [reply("error", rid, code="busy", message="m" * 5000)])
-            assert relayed["code"] == "busy" and len(relayed["message"]) <= 512
-            opened = open_answered_with(lambda rid: [reply("opened", rid, stage=stage, kv_reserved=16)])
-            assert opened["op"] == "opened" and opened["stage"]["layers"] == [0, 4]
+        def step_answered_with(make: Any) -> dict[str, Any]:
+            client.send("step", np.array([1, 5], "<i4").tobytes(), session="s", pos=0, n=2, input="tokens",
+                        out="token")  # fmt: skip
+            peer, req = forwarded(fake_next)
+            assert req["op"] == "step" and req["n"] == 2
+            fake_next.send_multipart([peer, *make(req)])
+            return client.recv()[0]
 
-            def step_answered_with(make: Any) -> dict[str, Any]:
-                client.send("step", np.array([1, 5], "<i4").tobytes(), session="s", pos=0, n=2, input="tokens",
-                            out="token")  # fmt: skip
-                peer, req = forwarded()
-                assert req["op"] == "step" and req["n"] == 2
-                fake_next.send_multipart([peer, *make(req)])
-                return client.recv()[0]
+        def result(req: dict[str, Any], **changes: Any) -> bytes:
+            keys = {"session": req["session"], "pos": 0, "n": 2, "out": "token", **changes}
+            return reply("result", req["rid"], **keys)
 
-            def result(req: dict[str, Any], **changes: Any) -> bytes:
-                keys = {"session": req["session"], "pos": 0, "n": 2, "out": "token", **changes}
-                return reply("result", req["rid"], **keys)
-
-            token = np.array([7], "<i4").tobytes()
-            for make in [
-                lambda req: [result(req), token + token],  # wrong payload size
-                lambda req: [result(req), np.array([10**6], "<i4").tobytes()],  # not a token id
-                lambda req: [result(req, pos=1), token],
-                lambda req: [result(req, out="logits"), token],
-                lambda req: [result(req)],
-            ]:
-                answer = step_answered_with(make)
-                assert answer["code"] == "downstream", answer
-            done = step_answered_with(lambda req: [result(req), token])  # rolled back: resend works
-            assert done["op"] == "result" and done["pos"] == 0
-            stats, _ = client.request("stats")
-            downstream = stats["stats"]["downstream"]
-            assert downstream["malformed_total"] == 11 and downstream["replies_dropped_total"] >= 2
-    finally:
-        fake_next.close()
+        token = np.array([7], "<i4").tobytes()
+        for make in [
+            lambda req: [result(req), token + token],  # wrong payload size
+            lambda req: [result(req), np.array([10**6], "<i4").tobytes()],  # not a token id
+            lambda req: [result(req, pos=1), token],
+            lambda req: [result(req, out="logits"), token],
+            lambda req: [result(req)],
+        ]:
+            answer = step_answered_with(make)
+            assert answer["code"] == "downstream", answer
+        done = step_answered_with(lambda req: [result(req), token])  # rolled back: resend works
+        assert done["op"] == "result" and done["pos"] == 0
+        stats, _ = client.request("stats")
+        downstream = stats["stats"]["downstream"]
+        assert downstream["malformed_total"] == 11 and downstream["replies_dropped_total"] >= 2
 
 
 def test_a_peer_that_never_reads_is_cut_off_and_served_again_once_it_drains(tiny_model: Path) -> None:
@@ -269,9 +288,6 @@ def test_a_peer_that_never_reads_is_cut_off_and_served_again_once_it_drains(tiny
         assert result["op"] == "result" and len(frames[0]) == 4 * opened["stage"]["n_vocab"]
 
 
-STAGE = {"first": False, "last": True, "layers": [2, 4], "max_step_tokens": 64, "eog_tokens": [2]}
-
-
 def test_a_flood_of_big_payloads_is_busy_beyond_the_byte_bounds_and_nothing_accepted_is_lost(
     tiny_shards2: list[Path],
 ) -> None:
@@ -280,31 +296,16 @@ def test_a_flood_of_big_payloads_is_busy_beyond_the_byte_bounds_and_nothing_acce
     rest is `busy` at once, a close is still served, and every step taken is answered."""
     n, n_embd = 32, 64
     step_bytes = n * 4 + n * n_embd * 4  # the tokens, and the f32 hidden states sent on
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    fake_next = ctx.socket(zmq.ROUTER)
-    fake_next.setsockopt(zmq.LINGER, 0)
-    port = fake_next.bind_to_random_port("tcp://127.0.0.1")
     bounds = ("--max-peer-request-bytes", str(2 * step_bytes + 100), "--max-request-bytes", str(3 * step_bytes + 100))
-    flags = ("--next", f"tcp://127.0.0.1:{port}", "--max-sessions", "8", "--downstream-timeout", "60", *bounds)
     tokens = np.arange(1, n + 1, dtype="<i4").tobytes()
-    try:
+    with fake_next_stage() as (fake_next, address):
+        flags = ("--next", address, "--max-sessions", "8", "--downstream-timeout", "60", *bounds)
         with node_process(tiny_shards2[0], *flags) as (head, node_ctx):
             flood, other = Peer(node_ctx, head.address), Peer(node_ctx, head.address)
 
-            def forwarded(op: str) -> tuple[bytes, dict[str, Any]]:
-                """The next request of kind `op` the head sends on (pings answered, closes let be)."""
-                while True:
-                    assert fake_next.poll(REPLY_TIMEOUT_MS), f"no {op} was forwarded"
-                    frames = fake_next.recv_multipart()
-                    req = msgpack.unpackb(frames[1])
-                    if req["op"] == op:
-                        return frames[0], req
-                    if req["op"] == "ping":
-                        fake_next.send_multipart([frames[0], reply("pong", req["rid"])])
-
             def open_session(peer: Peer, session: str) -> None:
                 peer.send("open", session=session, max_tokens=64)
-                link, req = forwarded("open")
+                link, req = forwarded(fake_next, "open")
                 fake_next.send_multipart([link, reply("opened", req["rid"], stage=STAGE, kv_reserved=64)])
                 assert peer.recv()[0]["op"] == "opened"
 
@@ -320,7 +321,7 @@ def test_a_flood_of_big_payloads_is_busy_beyond_the_byte_bounds_and_nothing_acce
             for i in range(2):
                 open_session(other, f"o{i}")
             sessions = {step(flood, f"f{i}"): f"f{i}" for i in range(6)}
-            held = [forwarded("step") for _ in range(2)]  # the first two are taken and sent on
+            held = [forwarded(fake_next, "step") for _ in range(2)]  # the first two are taken and sent on
             busy = [flood.recv()[0] for _ in range(4)]  # the rest are refused at once
             for refusal in busy:
                 assert refusal["code"] == "busy" and refusal["retry_after_ms"] > 0, refusal
@@ -329,7 +330,7 @@ def test_a_flood_of_big_payloads_is_busy_beyond_the_byte_bounds_and_nothing_acce
             assert len(taken) == 2
             # Another connection has room of its own, up to the node's total.
             other_rid = step(other, "o0")
-            held.append(forwarded("step"))
+            held.append(forwarded(fake_next, "step"))
             refusal = other.request("step", tokens, session="o1", pos=0, n=n, input="tokens", out="token")[0]
             assert refusal["code"] == "busy" and "node" in refusal["message"], refusal
             stats = other.request("stats")[0]["stats"]
@@ -351,15 +352,12 @@ def test_a_flood_of_big_payloads_is_busy_beyond_the_byte_bounds_and_nothing_acce
             # The refused ones go through when sent again.
             for refused in busy[1:]:
                 rid = step(flood, sessions[refused["rid"]])
-                answer(*forwarded("step"))
+                answer(*forwarded(fake_next, "step"))
                 result = flood.recv()[0]
                 assert result["rid"] == rid and result["op"] == "result", result
             stats = other.request("stats")[0]["stats"]
             assert stats["request_bytes"] == 0 and stats["peer_request_bytes"] == 0
             assert stats["request_bytes_peak"] == 3 * step_bytes
-    finally:
-        fake_next.close()
-        ctx.destroy(linger=0)
 
 
 def generate_by_steps(peer: Peer, session: str, steps: int) -> int:

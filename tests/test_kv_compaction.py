@@ -19,14 +19,10 @@ from engine.backend import ContextConfig, DecodeFailed, DecodeOutcome, Segment, 
 from engine.llama_handles import SeqState
 from engine.messages import Output
 from tests.conftest import OpenBackend
+from tests.test_engine import prompt
 
 # Flash attention on: below 64 query rows its CPU kernel walks a row's visible cells one by one.
 FA = ContextConfig(n_seq_max=6, n_ctx=256, n_batch=64, n_ubatch=16, kv_type="f32", flash_attn=True)
-
-
-def ids(seed: int, n: int) -> list[int]:
-    rng = np.random.default_rng(seed)
-    return [1, *rng.integers(3, 268, n - 1).tolist()]
 
 
 class Driver:
@@ -68,10 +64,10 @@ def layout(backend: StageBackend, between: Between) -> dict[str, list[np.ndarray
     for name in "abc":
         d.open(name)
     graveyard = backend.open_sequence()
-    d.feed("a", ids(1, 10))
-    d.feed("b", ids(2, 12))
+    d.feed("a", prompt(1, 10))
+    d.feed("b", prompt(2, 12))
     d.greedy("a", 3)
-    d.feed("c", ids(3, 8))
+    d.feed("c", prompt(3, 8))
     d.greedy("a", 3)
     d.greedy("c", 2)
     backend.retire_sequence(d.seqs["b"], graveyard)
@@ -86,7 +82,7 @@ def layout_solo(backend: StageBackend, name: str) -> list[np.ndarray]:
     """`layout`'s A or C alone."""
     d = Driver(backend)
     d.open(name)
-    d.feed(name, ids(1, 10) if name == "a" else ids(3, 8))
+    d.feed(name, prompt(1, 10) if name == "a" else prompt(3, 8))
     d.greedy(name, 16 if name == "a" else 12)
     return d.trace[name]
 
@@ -151,10 +147,10 @@ def test_compaction_frees_the_held_cells(model: str, open_backend: OpenBackend, 
     for name in ("a", "b", "new"):
         d.open(name)
     graveyard = backend.open_sequence()
-    d.feed("a", ids(1, 60))
-    d.feed("b", ids(2, 150))
+    d.feed("a", prompt(1, 60))
+    d.feed("b", prompt(2, 150))
     backend.retire_sequence(d.seqs["b"], graveyard)
-    rows = Segment(d.seqs["new"], 0, np.array(ids(3, 60), np.int32))
+    rows = Segment(d.seqs["new"], 0, np.array(prompt(3, 60), np.int32))
     with pytest.raises(DecodeFailed) as failed:
         backend.decode([rows])
     assert failed.value.outcome is DecodeOutcome.NO_KV_SLOT and backend.length(d.seqs["new"]) == 0
@@ -171,7 +167,7 @@ def test_a_copy_that_cannot_be_taken_changes_nothing(
     d = Driver(backend)
     d.open("a")
     graveyard = backend.open_sequence()
-    d.feed("a", ids(1, 20))
+    d.feed("a", prompt(1, 20))
     taken = backend.ctx.seq_state
     monkeypatch.setattr(backend.ctx, "seq_state", lambda seq, **kw: (SeqState.SHORT, taken(seq, **kw)[1]))
     result = backend.compact(graveyard)
@@ -197,7 +193,7 @@ def test_a_copy_llama_cpp_refuses_loses_only_its_sequence(
     def compact_losing_victim(backend: StageBackend, closed: int, graveyard: int) -> None:
         d = Driver(backend)
         assert d.open("v") == victim == closed  # the freed id, reused
-        d.feed("v", ids(4, 9))
+        d.feed("v", prompt(4, 9))
         monkeypatch.setattr(backend.ctx, "set_seq_state", truncated)
         result = backend.compact(graveyard)
         assert result.failure is None and result.lost == (victim,) and victim not in result.kept
@@ -217,7 +213,7 @@ def test_a_sliding_window_sequence_keeps_its_window_and_a_one_token_retry(
     d = Driver(backend)
     seq = d.open("a")
     graveyard = backend.open_sequence()
-    d.feed("a", ids(1, 12))
+    d.feed("a", prompt(1, 12))
     d.greedy("a", 8)  # 20 positions
     token = int(np.argmax(d.trace["a"][-2]))  # the token fed at position 19
     assert backend.compact(graveyard).kept == (seq,)
