@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from contextlib import aclosing, suppress
 from dataclasses import dataclass, field
 from typing import Any
@@ -134,16 +134,24 @@ async def _close_quietly(client: Client, session: str, out: Outcomes) -> None:
         await client.close(session)
 
 
-async def _generate(client: Client, session: str, prompt: list[int], max_new: int) -> str:
+async def _outcome(call: Awaitable[object], ok: str = "ok") -> str:
+    """`ok` once `call` is answered, else what went wrong: the node's error code, or "timeout"."""
     try:
-        async with aclosing(client.generate_tokens(session, 0, prompt, max_new, ignore_eog=True)) as replies:
-            async for _ in replies:
-                pass
+        await call
     except NodeError as exc:
         return exc.code
     except (TimeoutError, ClientClosed):
         return "timeout"
-    return "ok"
+    return ok
+
+
+async def _generate(client: Client, session: str, prompt: list[int], max_new: int) -> str:
+    async def run() -> None:
+        async with aclosing(client.generate_tokens(session, 0, prompt, max_new, ignore_eog=True)) as replies:
+            async for _ in replies:
+                pass
+
+    return await _outcome(run())
 
 
 SETTLE_LIMIT_S = 30.0  # after `stop`, how long the restart driver waits to see the chain serve again
@@ -168,15 +176,12 @@ async def restart_load(
             began_settled = settled.is_set()
             session, started = f"tr-{k}", trio.current_time()
             out.sent += 1
-            try:
-                await client.open(session, len(prompt) + 8)
-            except NodeError as exc:
-                outcome = f"open:{exc.code}"
-            except (TimeoutError, ClientClosed):
-                outcome = "open:timeout"
-            else:
+            outcome = await _outcome(client.open(session, len(prompt) + 8), "opened")
+            if outcome == "opened":
                 out.sent += 1
                 outcome = await _generate(client, session, prompt, 8)
+            else:
+                outcome = f"open:{outcome}"
             await _close_quietly(client, session, out)
             seconds = trio.current_time() - started
             out.note(out.generates, outcome, seconds)
@@ -195,25 +200,15 @@ async def malformed_load(address: str, prompt: list[int], stop: trio.Event, work
                     return
                 session, started = f"mf-{w}-{k}", trio.current_time()
                 out.sent += 1
-                try:
-                    await client.open(session, 64)
-                    out.note(out.opens, "opened", trio.current_time() - started)
-                except NodeError as exc:
-                    out.note(out.opens, exc.code, trio.current_time() - started)
-                    continue
-                except (TimeoutError, ClientClosed):
-                    out.note(out.opens, "timeout", trio.current_time() - started)
+                opened = await _outcome(client.open(session, 64), "opened")
+                out.note(out.opens, opened, trio.current_time() - started)
+                if opened != "opened":
                     continue
                 for j in range(6):
                     started = trio.current_time()
                     out.sent += 1
-                    try:
-                        await client.step(session, 0, tokens=prompt, out=("token", "logits")[j % 2])
-                        outcome = "result"
-                    except NodeError as exc:
-                        outcome = exc.code
-                    except (TimeoutError, ClientClosed):
-                        outcome = "timeout"
+                    outcome = await _outcome(client.step(session, 0, tokens=prompt, out=("token", "logits")[j % 2]),
+                                             "result")  # fmt: skip
                     out.note(out.steps, outcome, trio.current_time() - started)
                 started = trio.current_time()
                 out.sent += 1

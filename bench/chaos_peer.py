@@ -81,6 +81,15 @@ class Tally:
         self.unanswered += other.unanswered
         self.replies.update(other.replies)
 
+    def ask(self, sock: zmq.Socket[bytes], frames: Frames) -> tuple[str, dict[str, Any]] | None:
+        """`request`, counted: sent, and its reply (if one came) by kind."""
+        self.sent += 1
+        got = request(sock, frames)
+        if got is not None:
+            self.answered += 1
+            self.replies[got[0]] += 1
+        return got
+
 
 def dealer(ctx: Ctx, address: str, **options: int) -> zmq.Socket[bytes]:
     sock = ctx.socket(zmq.DEALER)
@@ -201,13 +210,13 @@ def _send_soon(sock: zmq.Socket[bytes], frames: Frames, within_s: float = 5.0) -
     return False
 
 
-def split(quota: int, shares: dict[str, float], targets: list[Target]) -> dict[tuple[str, str], int]:
+def split(quota: int, shares: dict[str, float], targets: list[Target]) -> dict[tuple[str, Target], int]:
     """A role's quota over its classes (by share) and its targets (evenly)."""
     out = {}
     for cls, share in shares.items():
         per = quota * share / len(targets)
         for j, t in enumerate(targets):
-            out[(cls, t.name)] = int(per) + (1 if j < round((per - int(per)) * len(targets)) else 0)
+            out[(cls, t)] = int(per) + (1 if j < round((per - int(per)) * len(targets)) else 0)
     return out
 
 
@@ -235,34 +244,29 @@ def _always(frames: Frames) -> Callable[[int], Frames]:
     return lambda _i: frames
 
 
+def _builder_channels(ctx: Ctx, targets: list[Target], shares: dict[str, float], quota: int, window: int,
+                      rng: random.Random) -> list[Channel]:  # fmt: skip
+    """A channel per class (a `hostile.BUILDERS` name) and target, the quota split by `shares`."""
+    return [Channel(ctx, t, cls, q, window, _built(hostile.BUILDERS[cls], rng, t))
+            for (cls, t), q in split(quota, shares, targets).items()]  # fmt: skip
+
+
 def role_garbage(ctx: Ctx, targets: list[Target], seconds: float, quota: int, rng: random.Random) -> dict[str, Any]:
-    quotas = split(quota, {"random_bytes": 0.5, "deep_msgpack": 0.25, "wide_msgpack": 0.25}, targets)
-    channels = []
-    for (cls, name), q in quotas.items():
-        t = next(t for t in targets if t.name == name)
-        channels.append(Channel(ctx, t, cls, q, 32, _built(hostile.BUILDERS[cls], rng, t)))
+    shares = {"random_bytes": 0.5, "deep_msgpack": 0.25, "wide_msgpack": 0.25}
+    channels = _builder_channels(ctx, targets, shares, quota, 32, rng)
     pump(channels, seconds)
     return summary(channels)
 
 
 def role_fields(ctx: Ctx, targets: list[Target], seconds: float, quota: int, rng: random.Random) -> dict[str, Any]:
-    quotas = split(quota, {"out_of_range": 1.0}, targets)
     channels = []
-    for (cls, name), q in quotas.items():
-        t = next(t for t in targets if t.name == name)
+    for (cls, t), q in split(quota, {"out_of_range": 1.0}, targets).items():
         ch = Channel(ctx, t, cls, q, 16, _built(partial(hostile.out_of_range, session="oor"), rng, t))
-        ch.tally.sent += 1
-        got = request(ch.sock, [header("open", 0, session="oor", max_tokens=64)])  # the session its steps use
-        if got is not None:
-            ch.tally.answered += 1
-            ch.tally.replies[got[0]] += 1
+        ch.tally.ask(ch.sock, [header("open", 0, session="oor", max_tokens=64)])  # the session its steps use
         channels.append(ch)
     pump(channels, seconds)
     for ch in channels:  # leave as a client should (the lease would free it otherwise)
-        ch.tally.sent += 1
-        if (got := request(ch.sock, [header("close", 1, session="oor")])) is not None:
-            ch.tally.answered += 1
-            ch.tally.replies[got[0]] += 1
+        ch.tally.ask(ch.sock, [header("close", 1, session="oor")])
     return summary(channels)
 
 
@@ -276,10 +280,8 @@ def _close_when_opened(ch: Channel, kind: str, head: dict[str, Any]) -> None:
 
 
 def role_flood(ctx: Ctx, targets: list[Target], seconds: float, quota: int, _rng: random.Random) -> dict[str, Any]:
-    quotas = split(quota, FLOOD_SHARES, targets)
     channels = []
-    for (kind, name), q in quotas.items():
-        t = next(t for t in targets if t.name == name)
+    for (kind, t), q in split(quota, FLOOD_SHARES, targets).items():
         ch = Channel(ctx, t, f"flood_{kind}", q, FLOOD_WINDOWS[kind], partial(hostile.flood, kind))
         if kind == "open":
             ch.on_reply_hook = _close_when_opened
@@ -290,11 +292,7 @@ def role_flood(ctx: Ctx, targets: list[Target], seconds: float, quota: int, _rng
 
 def role_huge(ctx: Ctx, targets: list[Target], seconds: float, quota: int, rng: random.Random,
               oversize: int) -> dict[str, Any]:  # fmt: skip
-    quotas = split(quota, {"huge_strings": 0.6, "huge_frames": 0.4}, targets)
-    channels = []
-    for (cls, name), q in quotas.items():
-        t = next(t for t in targets if t.name == name)
-        channels.append(Channel(ctx, t, cls, q, 1, _built(hostile.BUILDERS[cls], rng, t)))
+    channels = _builder_channels(ctx, targets, {"huge_strings": 0.6, "huge_frames": 0.4}, quota, 1, rng)
     big = {t.max_message_bytes: hostile.oversize_frame(t) for t in targets}  # one buffer per size, reused
     for t in targets:
         channels.append(Channel(ctx, t, "huge_frames", oversize, 1, _always(big[t.max_message_bytes]), answered=False))
@@ -316,10 +314,7 @@ def role_never_read(ctx: Ctx, targets: list[Target], seconds: float, quota: int,
         t = targets[k % len(targets)]
         sock = dealer(ctx, t.address, RCVHWM=1, RCVBUF=4096)
         for j in range(2):
-            tally.sent += 1
-            if (got := request(sock, [header("open", j, session=f"nr-{k}-{j}", max_tokens=32)])) is not None:
-                tally.answered += 1
-                tally.replies[got[0]] += 1
+            tally.ask(sock, [header("open", j, session=f"nr-{k}-{j}", max_tokens=32)])
         for i in range(per_connection - 2):
             if not _send_soon(sock, [header("stats", 10 + i)]):
                 break
@@ -343,29 +338,20 @@ def role_vanish(ctx: Ctx, targets: list[Target], seconds: float, quota: int, rng
         sock = dealer(ctx, t.address)
         prompt = int32([1, *(rng.randrange(3, t.n_vocab) for _ in range(7))])
         way = (k // len(targets)) % 4  # every target sees every way
-        tally.sent += 1
         if way == 3:  # gone before the open is even answered (the linger only lets it leave)
+            tally.sent += 1
             sock.send_multipart([header("open", 1, session=f"v{k}", max_tokens=64, wait_ms=2000)])
             sock.close(linger=200)
             continue
-        got = request(sock, [header("open", 1, session=f"v{k}", max_tokens=64)])
-        if got is not None:
-            tally.answered += 1
-            tally.replies[got[0]] += 1
+        got = tally.ask(sock, [header("open", 1, session=f"v{k}", max_tokens=64)])
         if got is not None and got[0] == "opened":
             opened += 1
             if way == 1:  # prefilled: the session holds KV
-                tally.sent += 1
                 step = header("step", 2, session=f"v{k}", pos=0, n=8, input="tokens", out="token")
-                if (got := request(sock, [step, prompt])) is not None:
-                    tally.answered += 1
-                    tally.replies[got[0]] += 1
+                tally.ask(sock, [step, prompt])
             elif way == 2:  # gone while the node generates for it
-                tally.sent += 1
                 gen = header("generate", 2, session=f"v{k}", pos=0, n=8, max_new=48, ignore_eog=True)
-                if (got := request(sock, [gen, prompt])) is not None:
-                    tally.answered += 1
-                    tally.replies[got[0]] += 1
+                tally.ask(sock, [gen, prompt])
         sock.close(linger=0)
     out = summary([], {"vanish": tally})
     out["sessions_abandoned"] = opened

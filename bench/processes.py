@@ -19,7 +19,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Collection, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -75,6 +75,8 @@ class Processes:
         self.ended: dict[str, tuple[int, int | None]] = {}  # name -> (pid, exit status) once stopped or crashed
         self.crashed: dict[str, Crash] = {}
         self.started_at: dict[str, float] = {}  # time.monotonic() each child was started
+        # Spawned and not yet found ready or failed: `poll_ready` records their crash, not `check`.
+        self.starting: set[str] = set()
 
     def log(self, name: str) -> Path:
         return self.log_dir / f"{name}.log"
@@ -105,6 +107,7 @@ class Processes:
             )
         self.running[name] = proc
         self.started_at[name] = time.monotonic()
+        self.starting.add(name)
         print(f"{name}: pid {proc.pid}, log {shown(log)}", flush=True)
 
     def poll_ready(self, name: str, ready: Callable[[Path], bool], timeout_s: float) -> bool | None:
@@ -112,6 +115,7 @@ class Processes:
         passed since it was started; None while it is still starting."""
         log, proc = self.log(name), self.running[name]
         if ready(log):
+            self.starting.discard(name)
             return True
         if proc.poll() is not None:
             self._crashed(name, "before it was ready")
@@ -124,11 +128,11 @@ class Processes:
             return False
         return None
 
-    def check(self, during: str, skip: Collection[str] = ()) -> None:
-        """Record every child that has exited on its own since the last look (but those in `skip`,
-        which another thread is starting: `start` records their crash itself)."""
+    def check(self, during: str) -> None:
+        """Record every child that has exited on its own since the last look (but those still
+        starting: their `poll_ready` records that)."""
         for name, proc in list(self.running.items()):
-            if name not in skip and proc.poll() is not None:
+            if name not in self.starting and proc.poll() is not None:
                 self._crashed(name, f"during {during}")
 
     def alive(self, names: Sequence[str]) -> bool:
@@ -138,8 +142,13 @@ class Processes:
         if (proc := self.running.get(name)) is not None:
             proc.send_signal(signum)
 
+    def _remove(self, name: str) -> subprocess.Popen[bytes] | None:
+        self.starting.discard(name)
+        return self.running.pop(name, None)
+
     def _crashed(self, name: str, when: str) -> None:
-        proc = self.running.pop(name)
+        proc = self._remove(name)
+        assert proc is not None
         status = proc.wait()
         self.ended[name] = (proc.pid, status)
         reason = f"{describe_status(status)} {when}"
@@ -149,16 +158,13 @@ class Processes:
 
     def kill(self, name: str) -> int | None:
         """SIGKILL on purpose: the process ends without a say and is not counted as a crash."""
-        proc = self.running.pop(name, None)
-        if proc is None:
-            return None
-        proc.kill()
-        status = proc.wait()
-        self.ended[name] = (proc.pid, status)
-        return status
+        if (proc := self.running.get(name)) is not None:
+            proc.kill()
+            proc.wait()
+        return self.stop(name)
 
     def stop(self, name: str) -> int | None:
-        proc = self.running.pop(name, None)
+        proc = self._remove(name)
         if proc is None:
             return None
         if proc.poll() is None:

@@ -203,26 +203,20 @@ def _latency(r: dict[str, Any], cs: list[int]) -> str:
 
 def _engine_use(r: dict[str, Any], cs: list[int]) -> str:
     """Per system and concurrency: llama_decode calls, their rows, and the share of the wall time inside them."""
-    per: dict[tuple[str, int], list[dict[str, Any]]] = {}
-    for run in r["runs"]:
-        if run.get("engine"):
-            per.setdefault((run["system"], run["concurrency"]), []).append(run["engine"])
-    if not per:
+    used = [{**run, **run["engine"]} for run in r["runs"] if run.get("engine")]
+    if not used:
         return ""
-
-    def mean(xs: list[dict[str, Any]], key: str) -> float:
-        return sum(float(x[key]) for x in xs) / len(xs)
-
+    keys = ("batches", "decode_batches", "decode_rows", "llama_decode_s", "llama_decode_share")
+    m = {key: mean_by(used, key) for key in keys}
     rows = []
     for system in ALL:
         for c in cs:
-            xs = per.get((system, c))
-            if xs:
-                calls = mean(xs, "decode_batches")
-                fill = round(mean(xs, "decode_rows") / calls, 2) if calls else None
-                share = f"{mean(xs, 'llama_decode_share'):.0%}"
-                rows.append([system, str(c), round(mean(xs, "batches"), 1), round(calls, 1), fill,
-                             round(mean(xs, "llama_decode_s"), 2), share])  # fmt: skip
+            if c in m["batches"].get(system, {}):
+                calls = m["decode_batches"][system][c]
+                fill = round(m["decode_rows"][system][c] / calls, 2) if calls else None
+                share = f"{m['llama_decode_share'][system][c]:.0%}"
+                rows.append([system, str(c), round(m["batches"][system][c], 1), round(calls, 1), fill,
+                             round(m["llama_decode_s"][system][c], 2), share])  # fmt: skip
     return "\n".join(["## Where the time goes: llama_decode calls per run", "",
                       "Counted by each node's engine (`stats` before and after every run; the chain: its head) "
                       "and by the bare loop itself; means over repetitions. A call's cost grows slowly with its "
