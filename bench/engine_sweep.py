@@ -37,7 +37,8 @@ from bench.common import (
 from bench.latency import Trace, percentile_ms
 from bench.node_driver import generate
 from bench.workload import Request
-from engine.engine import Engine, EngineConfig, open_engine
+from engine.config import EngineConfig
+from engine.engine import Engine, open_engine
 from engine.messages import CloseRequest, Failure, Opened, OpenRequest, Output, StepDone, StepRequest
 from neuron_tai.client import NodeError, StepReply
 

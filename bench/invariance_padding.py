@@ -20,7 +20,8 @@ import trio
 
 from bench.common import gemma_path, prompt_tokens, shown, write_evidence
 from bench.engine_sweep import run_sessions
-from engine.engine import EngineConfig, open_engine
+from engine.config import EngineConfig
+from engine.engine import open_engine
 from engine.llama_handles import extra_buffer_types
 
 

@@ -35,7 +35,8 @@ from bench.engine_sweep import run_sessions
 from bench.node_driver import closed_loop
 from bench.processes import free_ports, node_ready, open_processes
 from bench.workload import Request
-from engine.engine import EngineConfig, open_engine
+from engine.config import EngineConfig
+from engine.engine import open_engine
 from neuron_tai.client import open_client
 from neuron_tai.shard import write_stages
 

@@ -27,7 +27,7 @@ from engine.kernels import KERNEL_CHOICES
 from engine.kv_compaction import Compaction, compact
 from engine.llama_handles import LlamaContext, LlamaModel, SamplerChain, capture_llama_log, logged_buffers
 from engine.messages import Output, Refused
-from engine.sampling import GREEDY, SamplingParams
+from protocol.sampling import GREEDY, Sampling
 from protocol.errors import ErrorCode
 
 # KV cache element types: name -> (ggml type id, bytes per element)
@@ -193,7 +193,7 @@ class StageBackend:
 
     # -- sequences ---------------------------------------------------------------
 
-    def open_sequence(self, sampling: SamplingParams = GREEDY) -> int:
+    def open_sequence(self, sampling: Sampling = GREEDY) -> int:
         """Claim a free sequence id."""
         free = next((s for s in range(self.ctx.n_seq_max) if s not in self._seqs), None)
         if free is None:

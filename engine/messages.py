@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from engine.sampling import GREEDY, SamplingParams
+from protocol.sampling import GREEDY, Sampling
 from protocol.errors import ErrorCode
 
 Owner = Hashable  # the connection a session belongs to
@@ -43,7 +43,7 @@ class OpenRequest:
     owner: Owner
     session: str
     max_tokens: int
-    sampling: SamplingParams = GREEDY
+    sampling: Sampling = GREEDY
     wait_ms: int = 0
 
 
@@ -127,17 +127,3 @@ Result = Opened | StepDone | Closed | Failure
 # Requests that only free what exists: the engine takes them even when its inbox is full
 # or it is draining (Engine.cleanup), so an undo the requester was promised always happens.
 Cleanup = CloseRequest | Rollback | DropOwner
-
-
-@dataclass(frozen=True, slots=True)
-class Stage:
-    """What a stage serves (PROTOCOL.md `opened.stage`)."""
-
-    first: bool
-    last: bool
-    layers: tuple[int, int]
-    n_embd: int
-    n_vocab: int
-    model: str
-    max_step_tokens: int
-    eog_tokens: tuple[int, ...]  # end-of-generation token ids (at most 16)

@@ -27,7 +27,7 @@ from transport import memory_bounds as bounds
 from transport import wire
 
 if TYPE_CHECKING:
-    from neuron_tai.node import NodeConfig
+    from neuron_tai.config import NodeConfig
 
 log = logging.getLogger("neuron_tai")
 
@@ -94,8 +94,8 @@ def _stage_model(model: Path, layers: tuple[int, int] | None) -> Path:
 
 def node_config(args: argparse.Namespace) -> NodeConfig:
     from engine.budgets import Limits  # noqa: PLC0415 - keep `neuron-tai shard` light
-    from engine.engine import EngineConfig  # noqa: PLC0415
-    from neuron_tai.node import NodeConfig  # noqa: PLC0415
+    from engine.config import EngineConfig  # noqa: PLC0415
+    from neuron_tai.config import NodeConfig  # noqa: PLC0415
 
     engine = EngineConfig(
         model=_stage_model(args.model, args.layers),

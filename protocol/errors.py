@@ -44,3 +44,24 @@ class ErrorCode(enum.StrEnum):
 
 
 _RETRYABLE = frozenset({ErrorCode.BUSY, ErrorCode.KV_BUDGET, ErrorCode.SESSION_LIMIT})
+
+
+class Fault(Exception):
+    """The one error carrier, from the scheduler to the wire: raised where a request cannot
+    go on, or returned as a value where a caller expects an outcome. It becomes an `error`
+    reply at the edge. `rid` is set only where the wire decided it (the request id it read);
+    `retry_after_ms` only for retryable codes."""
+
+    __slots__ = ("code", "message", "retry_after_ms", "rid")
+
+    def __init__(
+        self, code: ErrorCode, message: str, retry_after_ms: int | None = None, *, rid: int | None = None
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.retry_after_ms = retry_after_ms if code.retryable else None
+        self.rid = rid
+
+    def __repr__(self) -> str:
+        return f"Fault({self.code!s}, {self.message!r}, retry_after_ms={self.retry_after_ms})"

@@ -20,7 +20,7 @@ from engine.backend import (
 from engine.llama_handles import LlamaModel, capture_llama_log
 from engine.local_chain import LocalChain
 from engine.messages import Output, Refused
-from engine.sampling import SamplingParams
+from protocol.sampling import Sampling
 from neuron_tai.shard import write_stages
 from neuron_tai.testmodel import TinySpec, write_tiny_model
 from protocol.errors import ErrorCode
@@ -160,10 +160,10 @@ def test_rewind_equals_a_fresh_session(tiny_model: Path, open_backend: OpenBacke
 
 def test_seeded_sampling_is_reproducible_and_retry_safe(tiny_model: Path, open_backend: OpenBackend) -> None:
     backend: StageBackend = open_backend(tiny_model)
-    params = SamplingParams(temperature=1.5, top_k=40, top_p=0.95, seed=42)
+    params = Sampling(temperature=1.5, top_k=40, top_p=0.95, seed=42)
     prompt = np.array(prompts(8, [6])["s0"], np.int32)
 
-    def sample_run(seed_params: SamplingParams, n: int = 12) -> list[int]:
+    def sample_run(seed_params: Sampling, n: int = 12) -> list[int]:
         seq = backend.open_sequence(seed_params)
         tok = backend.decode([Segment(seq, 0, tokens=prompt, output=Output.TOKEN)])[0].token
         out = [tok]
@@ -320,7 +320,7 @@ def test_sliding_window_shards_are_bit_identical(
 
 def test_backend_close_is_idempotent(tiny_model: Path) -> None:
     backend = StageBackend(tiny_model, CONFIG)
-    backend.open_sequence(SamplingParams(temperature=1.0, seed=1))
+    backend.open_sequence(Sampling(temperature=1.0, seed=1))
     backend.close()
     backend.close()
     with pytest.raises(RuntimeError, match="closed"):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from engine.engine import EngineConfig
+from engine.config import EngineConfig
 from neuron_tai.cli import build_parser, node_config
-from neuron_tai.node import NodeConfig
+from neuron_tai.config import NodeConfig
 
 
 def test_serve_defaults_are_the_library_defaults() -> None:

@@ -19,7 +19,8 @@ import trio
 from bench.processes import free_ports
 from neuron_tai.cli import main
 from neuron_tai.client import Client, open_client
-from neuron_tai.node import NodeConfig, open_node
+from neuron_tai.config import NodeConfig
+from neuron_tai.node import open_node
 from neuron_tai.security import AllowList, KeyFileError, create_key_pair, is_loopback, read_allowed_keys
 from tests.nodes import NodeProcess, running
 from tests.test_node import engine_config, logits_run, prompt

@@ -13,7 +13,8 @@ import trio
 
 from engine.backend import ContextConfig, DecodeFailed, DecodeOutcome, Segment, SegmentResult, StageBackend
 from engine.budgets import BudgetError, Limits
-from engine.engine import Engine, EngineConfig, open_engine
+from engine.config import EngineConfig
+from engine.engine import Engine, open_engine
 from engine.kernels import INVARIANT_PAD_ROWS
 from engine.messages import (
     Closed,
@@ -28,7 +29,7 @@ from engine.messages import (
     StepDone,
     StepRequest,
 )
-from engine.sampling import SamplingParams
+from protocol.sampling import Sampling
 from protocol.errors import ErrorCode
 from tests.held import held_decodes, wait_until
 
@@ -377,7 +378,7 @@ async def test_sampling_through_the_engine_is_seeded(tiny_model: Path) -> None:
     async with open_engine(config(tiny_model)) as engine:
         outs = []
         for name in ("a", "b"):
-            await engine.request(OpenRequest("c", name, 50, SamplingParams(temperature=1.2, top_k=50, seed=7)))
+            await engine.request(OpenRequest("c", name, 50, Sampling(temperature=1.2, top_k=50, seed=7)))
             r = await engine.request(StepRequest("c", name, 0, Output.TOKEN, tokens=tokens(prompt(4, 10))))
             assert isinstance(r, StepDone)
             outs.append(r.token)

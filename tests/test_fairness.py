@@ -9,7 +9,8 @@ import pytest
 import trio
 
 from neuron_tai.client import NodeError, open_client
-from neuron_tai.node import NodeConfig, open_node
+from neuron_tai.config import NodeConfig
+from neuron_tai.node import open_node
 from tests.held import held_decodes, wait_until
 from tests.test_generate import IDS, RawPeer, generating, int32
 from tests.test_node import engine_config, prompt

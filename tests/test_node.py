@@ -16,9 +16,10 @@ import zmq
 
 from bench.processes import free_ports
 from engine.backend import DecodeFailed, DecodeOutcome
-from engine.engine import EngineConfig
+from engine.config import EngineConfig
 from neuron_tai.client import Client, NodeError, open_client
-from neuron_tai.node import Node, NodeConfig, open_node
+from neuron_tai.config import NodeConfig
+from neuron_tai.node import Node, open_node
 from tests.held import held_decodes, wait_until
 from tests.nodes import NodeProcess, running
 

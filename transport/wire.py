@@ -18,6 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from protocol.errors import ErrorCode
+from protocol.sampling import Sampling
 
 VERSION = 1
 MAX_RID = 2**63
@@ -70,14 +71,6 @@ class WireError(Exception):
         self.code = code
         self.message = message
         self.rid = rid
-
-
-@dataclass(frozen=True, slots=True)
-class Sampling:
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,4 @@
-"""A session's sampling settings (PROTOCOL.md `open.sampling`)."""
+"""A session's sampling settings (PROTOCOL.md `open.sampling`): one type from the wire to the sampler."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True)
-class SamplingParams:
+class Sampling:
     """temperature 0 is greedy; top_k 0 and top_p 1 are off."""
 
     temperature: float = 0.0
@@ -23,4 +23,4 @@ class SamplingParams:
             raise ValueError("top_p must be in (0, 1]")
 
 
-GREEDY = SamplingParams()
+GREEDY = Sampling()
