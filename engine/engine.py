@@ -25,14 +25,13 @@ from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
 import trio
 
-from engine.backend import KV_TYPES, ContextConfig, DecodeFailed, DecodeOutcome, Segment, SegmentResult, StageBackend
-from engine.budgets import BudgetError, Budgets, KvShape, Limits, kv_layout
+from engine.backend import KV_TYPES, DecodeFailed, DecodeOutcome, Segment, SegmentResult, StageBackend
+from engine.budgets import BudgetError, Budgets, KvShape, kv_layout
 from engine.compute_thread import ComputeThread
 from engine.config import EngineConfig
 from engine.gguf_facts import ModelFacts, read_facts
@@ -65,8 +64,8 @@ from engine.scheduler import (
     Waiter,
 )
 from engine.telemetry import Telemetry
-from protocol.stage import Stage
 from protocol.errors import ErrorCode
+from protocol.stage import Stage
 
 log = logging.getLogger("neuron_tai.engine")
 

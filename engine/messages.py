@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from protocol.sampling import GREEDY, Sampling
 from protocol.errors import ErrorCode
+from protocol.sampling import GREEDY, Sampling
 
 Owner = Hashable  # the connection a session belongs to
 

@@ -29,7 +29,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import numpy as np
@@ -50,11 +50,11 @@ from engine.messages import (
     StepDone,
     StepRequest,
 )
+from neuron_tai.config import NodeConfig
 from neuron_tai.downstream import NextStage
 from neuron_tai.generation import MAX_PENDING_CANCELS, EndReason, EndRule, Generation
-from neuron_tai.security import AllowList, ClientCurve, ServerCurve, is_loopback, make_curve_server, open_zmq_context
+from neuron_tai.security import AllowList, ClientCurve, is_loopback, make_curve_server, open_zmq_context
 from protocol.errors import ErrorCode
-from transport import memory_bounds as bounds
 from transport import wire
 from transport.pump import SocketPump
 from transport.requester import Reply
