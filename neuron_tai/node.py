@@ -94,20 +94,21 @@ def next_stage(ctx: zmq.Context[zmq.Socket[bytes]], config: NodeConfig, engine: 
 
 class Node:
     def __init__(
-        self, config: NodeConfig, engine: Engine, ctx: zmq.Context[zmq.Socket[bytes]], allow: AllowList | None = None
+        self,
+        config: NodeConfig,
+        engine: Engine,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        router: zmq.Socket[bytes],
+        allow: AllowList | None = None,
     ) -> None:
+        """`router` is bound already (`bind_router`); the caller closes it when the node is done."""
         self.config = config
         self.engine = engine
         self.stage = engine.stage
         self.allow = allow  # the keys the ZAP handler admits: set when the node requires CURVE
-        sock = bind_router(ctx, config)
-        self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.sock = TrioSocket(sock)
-        try:
-            self.next = next_stage(ctx, config, engine)
-        except BaseException:
-            self.sock.close()
-            raise
+        self.address = router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.sock = TrioSocket(router)
+        self.next = next_stage(ctx, config, engine)
         self.pump = SocketPump(
             self.sock,
             self._on_message,
@@ -273,45 +274,53 @@ class Node:
 
 @asynccontextmanager
 async def open_node(config: NodeConfig) -> AsyncIterator[Node]:
-    """Run a node inside the caller's Trio program; drains and closes on exit."""
+    """Run a node inside the caller's Trio program; drains and closes on exit.
+
+    The socket is bound before the model loads, so a busy address fails at once with
+    ZeroMQ's own error (EADDRINUSE), and nothing is left open behind it."""
     engine_config = config.engine
     if engine_config.micro_batches is None:  # a head overlaps its micro-batches with the next stage's
         engine_config = replace(engine_config, micro_batches=2 if config.next else 1)
     with open_zmq_context(config.curve) as (ctx, allow):
-        async with open_engine(engine_config) as engine:
-            node = Node(config, engine, ctx, allow)
-            try:
-                async with trio.open_nursery() as nursery:
-                    await nursery.start(node.run)
-                    if config.metrics_port is not None:
-                        from neuron_tai.metrics import serve_metrics  # noqa: PLC0415 - only when asked for
+        router = bind_router(ctx, config)
+        node: Node | None = None
+        try:
+            async with open_engine(engine_config) as engine:
+                node = Node(config, engine, ctx, router, allow)
+                async with _serving(node):
+                    yield node
+        finally:  # the tasks that owned the sockets have ended
+            router.close(linger=0)
+            if node is not None and node.next is not None:
+                node.next.close()
 
-                        await nursery.start(serve_metrics, node, config.metrics_port, config.metrics_bind)
-                    log.info(
-                        "serving %s layers %d-%d (%s%s) on %s%s",
-                        node.stage.model,
-                        *node.stage.layers,
-                        "first " if node.stage.first else "",
-                        "last" if node.stage.last else "stage",
-                        node.address,
-                        f", next stage {config.next}" if config.next else "",
-                    )
-                    _warn_if_unauthenticated(config, node.address)
-                    try:
-                        yield node
-                    finally:
-                        engine.begin_shutdown()
-                        with trio.move_on_after(config.drain_timeout_s):
-                            await engine.stopped.wait()
-                            await node.pool.idle.wait()  # the last replies, relayed from the next stage too
-                        with trio.move_on_after(1.0):  # let the pump deliver the last replies
-                            while node.pump.queued:
-                                await trio.sleep(0.01)
-                        nursery.cancel_scope.cancel()
-            finally:  # the tasks that owned the sockets have ended
-                node.sock.close()
-                if node.next is not None:
-                    node.next.close()
+
+@asynccontextmanager
+async def _serving(node: Node) -> AsyncIterator[None]:
+    """The node's tasks (and its metrics endpoint) until the caller is done; then drain."""
+    config, engine = node.config, node.engine
+    async with trio.open_nursery() as nursery:
+        await nursery.start(node.run)
+        if config.metrics_port is not None:
+            from neuron_tai.metrics import serve_metrics  # noqa: PLC0415 - only when asked for
+
+            await nursery.start(serve_metrics, node, config.metrics_port, config.metrics_bind)
+        stage = node.stage
+        role = ("first " if stage.first else "") + ("last" if stage.last else "stage")
+        onward = f", next stage {config.next}" if config.next else ""
+        log.info("serving %s layers %d-%d (%s) on %s%s", stage.model, *stage.layers, role, node.address, onward)
+        _warn_if_unauthenticated(config, node.address)
+        try:
+            yield
+        finally:
+            engine.begin_shutdown()
+            with trio.move_on_after(config.drain_timeout_s):
+                await engine.stopped.wait()
+                await node.pool.idle.wait()  # the last replies, relayed from the next stage too
+            with trio.move_on_after(1.0):  # let the pump deliver the last replies
+                while node.pump.queued:
+                    await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
 
 
 def _warn_if_unauthenticated(config: NodeConfig, address: str) -> None:

@@ -538,3 +538,13 @@ async def test_micro_batched_chain_is_bit_identical_to_one_node(tiny_model: Path
     for call in calls:
         assert len({group[key[1]] for key, *_ in call.chunks}) == 1, "a call mixed micro-batches"
     assert sum(1 for call in calls for chunk in call.chunks if chunk[3]) == len(prompts) * steps
+
+
+async def test_a_node_that_cannot_bind_fails_at_once_and_closes_its_socket(tiny_model: Path) -> None:
+    """The second node on a port raises the bind error; its socket is closed, so leaving the
+    ZeroMQ context does not wait for it (the hang guard is far above any normal start)."""
+    async with open_node(NodeConfig(engine_config(tiny_model), bind="tcp://127.0.0.1:0")) as first:
+        with trio.fail_after(120), pytest.raises(zmq.ZMQError) as failed:
+            async with open_node(NodeConfig(engine_config(tiny_model), bind=first.address)):
+                pass
+        assert failed.value.errno == zmq.EADDRINUSE
