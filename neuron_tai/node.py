@@ -42,7 +42,7 @@ from neuron_tai.handler_pool import HandlerPool, Held, PoolLimits
 from neuron_tai.leases import Leases
 from neuron_tai.outbox import Outbox
 from neuron_tai.security import AllowList, ClientCurve, is_loopback, make_curve_server, open_zmq_context
-from neuron_tai.sessions import SessionDesk
+from neuron_tai.sessions import SessionDesk, stage_map
 from neuron_tai.steps import SessionGate, StepRunner
 from neuron_tai.text_service import TextService
 from protocol.errors import ErrorCode, Fault
@@ -260,7 +260,9 @@ class Node:
             leases_expired_total=self.leases.expired,
         )
         stats.update(self._security_stats())
+        stats["stage"] = stage_map(self.stage)
         if self.forwarder is not None:
+            # Where the chain goes on is told only to authenticated peers.
             stats["downstream"] = self.forwarder.stats(show_address=self.allow is not None)
         return {**stats, **cfg.extra_stats}
 
