@@ -7,6 +7,8 @@ The tiny test model, every node one llama.cpp thread and a short lease (`Plan.le
   head must notice by its heartbeats), killed and restarted, again and again;
 - `malformed-head` -> `fake-stage` (H3 -> F): a head whose next stage answers garbage
   (bench/fake_stage.py).
+H2 and H3 do not recover sessions (`--recovery-attempts 0`): they show the failure path,
+a `downstream` answered and the step rolled back.
 
 Each valid request first runs alone on N and on H: its reference. Then, for `Plan.attack_s`,
 hostile peer processes (bench/chaos_peer.py) attack every node with every class of bad input
@@ -396,11 +398,11 @@ def start_nodes(procs: Processes, plan: Plan, work: Path) -> tuple[dict[str, str
         (HEAD, serve(head_model, addresses[HEAD], plan, *invariant, "--next", addresses[TAIL],
                      "--downstream-timeout", "10")),
         (RESTART_HEAD, serve(head_model, addresses[RESTART_HEAD], plan, "--next", addresses[RESTART_TAIL],
-                             "--downstream-timeout", "10")),
+                             "--downstream-timeout", "10", "--recovery-attempts", "0")),
         (FAKE, [sys.executable, "-m", "bench.fake_stage", "--bind", addresses[FAKE], "--n-vocab",
                 str(len(vocabulary()[0])), "--n-embd", str(TinySpec().n_embd)]),
         (MALFORMED_HEAD, serve(head_model, addresses[MALFORMED_HEAD], plan, "--next", addresses[FAKE],
-                               "--downstream-timeout", "1")),
+                               "--downstream-timeout", "1", "--recovery-attempts", "0")),
     ]  # fmt: skip
     for name, cmd in starts:
         if not procs.start(name, cmd, node_ready):

@@ -166,7 +166,8 @@ class Engine:
         self.info = backend.info
         self.pad_rows = config.pad_rows or INVARIANT_PAD_ROWS[backend.model.kernel_path.value]
         pad_reserve = self.pad_rows if config.batch_invariant else 0
-        invariant_rows = [INVARIANT_MAX_ROWS] if config.batch_invariant else []  # prefill chunks stay below the tile
+        # Prefill chunks, padded to a multiple of pad_rows, stay below the flash-attention tile.
+        invariant_rows = [INVARIANT_MAX_ROWS // self.pad_rows * self.pad_rows] if config.batch_invariant else []
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_sessions=config.max_sessions,

@@ -26,8 +26,10 @@ plans it returns, and reports back. The policy (DESIGN.md):
   one call per group with work, so a group's replies go out (to the next stage) while
   the next group computes. Every ready decode is still planned in every iteration.
 - Batch-invariant mode: decode rows are padded to a multiple of `pad_rows` and each
-  prefill chunk runs in a call of its own with boundaries fixed by position, so a
-  session's batch shapes do not depend on what else is being served. A closed session's
+  prefill chunk runs in a call of its own with boundaries fixed by position, padded the
+  same way, so a session's batch shapes do not depend on what else is being served, and
+  every row is computed by the same kernels whether it came as a decode step or in a
+  prefill: a session replayed as one prefill (recovery) rebuilds its KV bit for bit. A closed session's
   cells (and a rewound session's tail) stay held until the engine compacts the cache; an
   open that fits once they are freed waits for that (also with no `wait_ms`), and held
   cells past `compact_held_cells` or past what the reservations leave ask for a
@@ -100,12 +102,11 @@ class SchedulerConfig:
             raise ValueError(f"need 1 <= max_prefill_tokens ({self.max_prefill_tokens}) <= n_batch ({self.n_batch})")
         if self.batch_invariant and self.n_batch < _round_up(self.max_sessions, self.pad_rows):
             raise ValueError(f"batch-invariant mode pads decode rows to {self.pad_rows}: n_batch too small")
-        if self.batch_invariant and max(_round_up(self.max_sessions, self.pad_rows), self.max_prefill_tokens) > (
-            INVARIANT_MAX_ROWS
-        ):
+        padded = max(_round_up(self.max_sessions, self.pad_rows), _round_up(self.max_prefill_tokens, self.pad_rows))
+        if self.batch_invariant and padded > INVARIANT_MAX_ROWS:
             raise ValueError(
-                f"batch-invariant mode keeps calls to {INVARIANT_MAX_ROWS} rows: max_sessions (padded to "
-                f"{self.pad_rows}) and max_prefill_tokens must not exceed it"
+                f"batch-invariant mode keeps calls to {INVARIANT_MAX_ROWS} rows: max_sessions and max_prefill_tokens "
+                f"(each padded to {self.pad_rows}) must not exceed it"
             )
         if self.max_step_tokens < 1 or self.kv_cells < 1 or self.queue_budget_bytes < 0:
             raise ValueError("max_step_tokens and kv_cells must be >= 1, queue_budget_bytes >= 0")
@@ -433,7 +434,7 @@ class Scheduler:
             for group in self._by_group(decode_chunks):
                 calls.append(Call(group, _round_up(len(group), cfg.pad_rows) - len(group)))
             prefill = self._prefill_chunks(cfg.max_prefill_tokens, aligned=True, limit_sessions=1)
-            calls += [Call((c,)) for c in prefill]
+            calls += [Call((c,), _round_up(c.count, cfg.pad_rows) - c.count) for c in prefill]
         else:
             budget = min(cfg.n_batch - len(decode_chunks), cfg.max_prefill_tokens)
             if decode_chunks and prefill_budget is not None:

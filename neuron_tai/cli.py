@@ -128,9 +128,11 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
     return NodeConfig(
         engine=engine,
         bind=args.bind,
-        next=args.next,
+        next=",".join(args.next) if args.next else None,
         max_message_bytes=args.max_message_bytes,
         downstream_timeout_s=args.downstream_timeout,
+        recovery_attempts=args.recovery_attempts,
+        recovery_deadline_s=args.recovery_deadline,
         lease_s=args.lease,
         metrics_port=args.metrics_port,
         metrics_bind=args.metrics_bind,
@@ -298,7 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("model", type=Path, help="GGUF model or shard")
     serve.add_argument("--layers", type=_layers, metavar="A:B", help="serve only layers A..B-1 (shard cached)")
     serve.add_argument("--bind", default="tcp://127.0.0.1:5555", help="ZeroMQ address to bind")
-    serve.add_argument("--next", metavar="ADDR", help="address of the next stage: forward results there")
+    serve.add_argument("--next", metavar="ADDR", action="append",
+                       help="address of the next stage: forward results there; repeat it (or separate addresses with "
+                            "commas) for replicas of the next layer range")  # fmt: skip
     serve.add_argument("--max-sessions", type=int, default=8, help="sessions served at once")
     serve.add_argument("--max-waiting", type=int, default=64, help="opens that may wait for room (with wait_ms)")
     serve.add_argument("--max-wait-ms", type=int, default=60_000, help="cap on an open's wait_ms")
@@ -420,6 +424,11 @@ def build_parser() -> argparse.ArgumentParser:
     ):  # fmt: skip
         memory.add_argument(flag, type=_bytes, default=default, help=text)
     serve.add_argument("--downstream-timeout", type=float, default=30.0, help="seconds to wait for the next stage")
+    serve.add_argument("--recovery-attempts", type=int, default=3,
+                       help="a chain's head replays a session whose route broke onto a route that is up, at most this "
+                            "many times (0: never)")  # fmt: skip
+    serve.add_argument("--recovery-deadline", type=float, default=30.0,
+                       help="seconds a recovery may take before the step fails with `downstream`")  # fmt: skip
     serve.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on PORT (plain HTTP)")
     serve.add_argument("--metrics-bind", default="127.0.0.1", help="address the metrics endpoint listens on")
     curve = serve.add_argument_group("CurveZMQ (authenticated, encrypted links)")

@@ -15,6 +15,7 @@ from transport import wire
 class NodeConfig:
     engine: EngineConfig
     bind: str = "tcp://127.0.0.1:5555"
+    # The next stage's address; several (comma-separated) are replicas of the next layer range.
     next: str | None = None
     max_message_bytes: int = bounds.MAX_MESSAGE_BYTES
     hwm: int = 1000  # ZeroMQ's queue of arriving messages per connection (RCVHWM)
@@ -51,4 +52,12 @@ class NodeConfig:
     # A connection heard from (any request) less recently than this, with no request of its
     # in progress, has its sessions freed (PROTOCOL.md, "Leases"); `lease_ms` in stats.
     lease_s: float = 15.0
+    # A chain's head recovers a session whose route broke (neuron_tai.recovery): this many
+    # attempts within this long, then `downstream`. 0 attempts: never.
+    recovery_attempts: int = 3
+    recovery_deadline_s: float = 30.0
     extra_stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def next_addresses(self) -> list[str]:
+        return [a.strip() for a in (self.next or "").split(",") if a.strip()]

@@ -99,6 +99,7 @@ class NextStage:
         self.keeper = LeaseKeeper(self.core)
         self.connected = False
         self._up = trio.Event()
+        self._down = trio.Event()  # set when the connection that is up goes down
         self._closes_pending: set[str] = set()
         self.failures = 0
         self.malformed = 0
@@ -126,16 +127,25 @@ class NextStage:
                     for session in self._closes_pending:
                         self.core.send_nowait({"op": "close", "session": session})
                     self._closes_pending.clear()
+                    self._down = trio.Event()
                 self.connected = True
                 self._up.set()
             elif event & _DOWN and self.connected:
                 self.connected = False
                 self._up = trio.Event()
+                self._down.set()
                 self.disconnects += 1
                 self.core.pump.hold(True)
                 dropped = self.core.pump.drop_outbox()
                 self.core.fail_waiting()
                 log.warning("next stage %s disconnected (%d unsent dropped)", self.address, dropped)
+
+    async def wait_connected(self) -> None:
+        await self._up.wait()
+
+    async def wait_disconnected(self) -> None:
+        if self.connected:
+            await self._down.wait()
 
     async def request(self, header: dict[str, Any], payload: list[bytes] | None = None) -> Reply | None:
         """The next stage's reply (`error` replies included); None when it failed, did not answer,

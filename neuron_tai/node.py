@@ -41,9 +41,11 @@ from neuron_tai.generate_run import Generations
 from neuron_tai.handler_pool import HandlerPool, Held, PoolLimits
 from neuron_tai.leases import Leases
 from neuron_tai.outbox import Outbox
+from neuron_tai.replicas import Replicas
 from neuron_tai.security import AllowList, ClientCurve, is_loopback, make_curve_server, open_zmq_context
 from neuron_tai.sessions import SessionDesk, stage_map
-from neuron_tai.steps import SessionGate, StepRunner
+from neuron_tai.shard_fingerprint import shard_fingerprint
+from neuron_tai.steps import RecoveryLimits, SessionGate, StepRunner
 from neuron_tai.text_service import TextService
 from protocol.errors import ErrorCode, Fault
 from transport import wire
@@ -73,23 +75,24 @@ def bind_router(ctx: zmq.Context[zmq.Socket[bytes]], config: NodeConfig) -> zmq.
     return sock
 
 
-def next_stage(ctx: zmq.Context[zmq.Socket[bytes]], config: NodeConfig, engine: Engine) -> NextStage | None:
-    if not config.next:
+def next_stages(ctx: zmq.Context[zmq.Socket[bytes]], config: NodeConfig, engine: Engine) -> Replicas | None:
+    """A link to each replica of the next layer range (None: this stage has no next)."""
+    addresses = config.next_addresses
+    if not addresses:
         return None
     curve = config.curve
-    link = ClientCurve(curve.secret, curve.next_key) if curve and curve.next_key else None
-    stage = engine.stage
-    return NextStage(
-        ctx,
-        config.next,
-        config.downstream_timeout_s,
-        config.hwm,
-        stage.n_embd,
-        stage.n_vocab,
-        curve=link,
-        send_hwm=config.send_hwm,
-        max_outbox_bytes=config.max_next_outbox_bytes,
-    )
+    auth = ClientCurve(curve.secret, curve.next_key) if curve and curve.next_key else None
+    stage, links = engine.stage, []
+    try:
+        for address in addresses:
+            links.append(NextStage(ctx, address, config.downstream_timeout_s, config.hwm, stage.n_embd, stage.n_vocab,
+                                   curve=auth, send_hwm=config.send_hwm,
+                                   max_outbox_bytes=config.max_next_outbox_bytes))  # fmt: skip
+    except BaseException:
+        for link in links:
+            link.close()
+        raise
+    return Replicas(links)
 
 
 class Node:
@@ -108,7 +111,7 @@ class Node:
         self.allow = allow  # the keys the ZAP handler admits: set when the node requires CURVE
         self.address = router.getsockopt_string(zmq.LAST_ENDPOINT)
         self.sock = TrioSocket(router)
-        self.next = next_stage(ctx, config, engine)
+        self.next = next_stages(ctx, config, engine)
         self.pump = SocketPump(
             self.sock,
             self._on_message,
@@ -117,6 +120,7 @@ class Node:
             max_peer_bytes=config.max_peer_reply_bytes,
             on_peer_gone=self._peer_gone,
         )
+        self.fingerprint = shard_fingerprint(config.engine.model)
         self._build_parts(config, engine)
         self.peers_gone = 0
         self.started = time.monotonic()
@@ -130,7 +134,8 @@ class Node:
         self.pool = HandlerPool(limits, self.outbox.error)
         self.forwarder = Forwarder(self.next, engine) if self.next is not None else None
         self.gate = SessionGate()
-        self.steps = StepRunner(engine, self.stage, self.forwarder)
+        recovery = RecoveryLimits(config.recovery_attempts, config.recovery_deadline_s)
+        self.steps = StepRunner(engine, self.stage, self.forwarder, recovery)
         self.generations = Generations(engine, self.steps, self.gate, self.pool, self.outbox)
         self.leases = Leases(
             config.lease_s,
@@ -140,7 +145,8 @@ class Node:
             forget=self.pump.forget,
         )
         self.pool.on_ended = self.leases.renew  # the lease runs from the end of its requests' work
-        self.sessions = SessionDesk(engine, self.outbox, self.generations, self.forwarder, self.leases.lease_ms)
+        self.sessions = SessionDesk(engine, self.outbox, self.generations, self.forwarder,
+                                    lease_ms=self.leases.lease_ms, fingerprint=self.fingerprint)  # fmt: skip
         self.text = TextService(
             engine,
             self.pool,
@@ -148,8 +154,7 @@ class Node:
             max_tokens=config.max_text_tokens,
             max_pending_bytes=config.max_text_pending_bytes,
         )
-        if self.forwarder is not None:
-            engine.on_close = self.forwarder.session_freed
+        engine.on_close = self.steps.session_freed
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The socket tasks, the leases and every request's task live in this nursery."""
@@ -260,7 +265,9 @@ class Node:
             leases_expired_total=self.leases.expired,
         )
         stats.update(self._security_stats())
-        stats["stage"] = stage_map(self.stage)
+        stats["stage"] = {**stage_map(self.stage), "fingerprint": self.fingerprint}
+        if self.steps.recovery is not None:
+            stats.update(self.steps.recovery.stats.as_wire())
         if self.forwarder is not None:
             # Where the chain goes on is told only to authenticated peers.
             stats["downstream"] = self.forwarder.stats(show_address=self.allow is not None)
@@ -294,7 +301,8 @@ async def open_node(config: NodeConfig) -> AsyncIterator[Node]:
         finally:  # the tasks that owned the sockets have ended
             router.close(linger=0)
             if node is not None and node.next is not None:
-                node.next.close()
+                for link in node.next.links:
+                    link.close()
 
 
 @asynccontextmanager
@@ -332,5 +340,6 @@ def _warn_if_unauthenticated(config: NodeConfig, address: str) -> None:
             "anyone who reaches it can use it (see --curve-secret and --allow)",
             address,
         )
-    if config.next and not (config.curve and config.curve.next_key) and not is_loopback(config.next):
-        log.warning("the link to the next stage %s is unauthenticated and in clear (see --next-key)", config.next)
+    for next_address in config.next_addresses:
+        if not (config.curve and config.curve.next_key) and not is_loopback(next_address):
+            log.warning("the link to the next stage %s is unauthenticated and in clear (see --next-key)", next_address)

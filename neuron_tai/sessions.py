@@ -39,13 +39,21 @@ def stage_map(stage: Stage) -> dict[str, object]:
 
 class SessionDesk:
     def __init__(
-        self, engine: Engine, outbox: Outbox, generations: Generations, forwarder: Forwarder | None, lease_ms: int
+        self,
+        engine: Engine,
+        outbox: Outbox,
+        generations: Generations,
+        forwarder: Forwarder | None,
+        *,
+        lease_ms: int,
+        fingerprint: str,
     ) -> None:
         self.engine = engine
         self.outbox = outbox
         self.generations = generations
         self.forwarder = forwarder
         self.lease_ms = lease_ms
+        self.fingerprint = fingerprint  # this stage's shard (neuron_tai.shard_fingerprint)
         self.closing: dict[Key, int] = {}  # sessions whose close is under way: the close's rid
 
     async def open(self, peer: bytes, req: wire.Open) -> None:
@@ -70,7 +78,7 @@ class SessionDesk:
             "rid": req.rid,
             "session": req.session,
             "kv_reserved": opened.kv_reserved,
-            "stage": stage_map(stage),
+            "stage": {**stage_map(stage), "fingerprint": self.fingerprint},
             "lease_ms": self.lease_ms,
         }
         self.outbox.deliver(peer, req.session, wire.encode(header))

@@ -17,7 +17,8 @@ import numpy.typing as npt
 
 from engine.engine import Engine
 from engine.messages import Output, Rollback, StepDone, StepRequest
-from neuron_tai.forwarding import Forwarder
+from neuron_tai.forwarding import BrokenRoute, Forwarder
+from neuron_tai.recovery import Recovery
 from protocol.errors import ErrorCode, Fault
 from protocol.stage import Stage
 from transport import wire
@@ -89,11 +90,25 @@ class SessionGate:
         return self.in_flight[key] > 0
 
 
+@dataclass(frozen=True, slots=True)
+class RecoveryLimits:
+    """How hard a chain's head tries to recover a session whose route broke (0 attempts: never)."""
+
+    attempts: int = 3
+    deadline_s: float = 30.0
+
+
 class StepRunner:
-    def __init__(self, engine: Engine, stage: Stage, forwarder: Forwarder | None) -> None:
+    def __init__(
+        self, engine: Engine, stage: Stage, forwarder: Forwarder | None, recovery: RecoveryLimits = RecoveryLimits()
+    ) -> None:
         self.engine = engine
         self.stage = stage
         self.forwarder = forwarder
+        self.recovery: Recovery[StepOutcome] | None = None
+        if forwarder is not None and stage.first and recovery.attempts > 0:  # only the head sees tokens
+            self.recovery = Recovery(forwarder, self._once, max_step_tokens=stage.max_step_tokens,
+                                     attempts=recovery.attempts, deadline_s=recovery.deadline_s)  # fmt: skip
 
     def refusal(self, req: wire.Step) -> Fault | None:
         """What this stage refuses before any work: input or output it does not serve, or too many tokens."""
@@ -119,7 +134,26 @@ class StepRunner:
 
     async def run(self, peer: bytes, req: wire.Step) -> StepOutcome | Fault:
         """The step's outcome, or the fault to answer instead (the session left as it was).
-        A fault decided here was counted here; the engine's and the next stage's, where decided."""
+        A fault decided here was counted here; the engine's and the next stage's, where decided.
+        At a chain's head a broken route is recovered first (neuron_tai.recovery)."""
+        outcome = await self._once(peer, req)
+        if isinstance(outcome, BrokenRoute):
+            if self.recovery is None:
+                self.engine.count_error(outcome.fault.code)
+                return outcome.fault
+            outcome = await self.recovery.recover(peer, req, outcome)
+        if self.recovery is not None and isinstance(outcome, StepOutcome) and req.tokens is not None:
+            self.recovery.histories.record((peer, req.session), req.pos, req.tokens)
+        return outcome
+
+    def session_freed(self, peer: bytes, session: str) -> None:
+        if self.recovery is not None:
+            self.recovery.histories.forget((peer, session))
+        if self.forwarder is not None:
+            self.forwarder.session_freed(peer, session)
+
+    async def _once(self, peer: bytes, req: wire.Step) -> StepOutcome | Fault | BrokenRoute:
+        """One step through this stage and the chain; a step the chain did not take is rolled back."""
         local_out = _OUT[req.out] if self.forwarder is None else Output.HIDDEN
         request = StepRequest(peer, req.session, req.pos, local_out, tokens=req.tokens, hidden=req.hidden)
         done = await self.engine.request(request)
@@ -129,8 +163,8 @@ class StepRunner:
         if self.forwarder is None:
             return _local(done, req.out)
         assert done.hidden is not None
-        reply = await self.forwarder.step(peer, req, done.hidden, done.max_tokens)
-        if isinstance(reply, Fault):
+        reply = await self.forwarder.step(peer, req, done.hidden)
+        if isinstance(reply, Fault | BrokenRoute):
             await self.engine.cleanup(Rollback(peer, req.session, req.pos))
             return reply
         return _relayed(done, req, reply)

@@ -343,11 +343,11 @@ def test_config_refuses_starvation_prone_shapes() -> None:
 
 def test_invariant_mode_keeps_every_call_under_the_attention_tile() -> None:
     wide = replace(CFG, n_batch=512, batch_invariant=True, pad_rows=8)
-    assert replace(wide, max_sessions=56, max_prefill_tokens=63).batch_invariant
+    assert replace(wide, max_sessions=56, max_prefill_tokens=56).batch_invariant
     with pytest.raises(ValueError, match="63 rows"):
         replace(wide, max_sessions=57)  # padded to 64 decode rows
     with pytest.raises(ValueError, match="63 rows"):
-        replace(wide, max_prefill_tokens=64)
+        replace(wide, max_prefill_tokens=57)  # a prefill chunk is padded to 64 rows too
 
 
 def test_micro_batches_are_stable_balanced_groups_each_in_a_call_of_its_own() -> None:

@@ -1,0 +1,143 @@
+"""Recovery at a chain's head: a session whose route breaks is replayed onto one that is up.
+
+Only the head sees a session's tokens (what its client sent and what the chain generated),
+and tokens are 4 bytes each, so the head keeps every session's history. When the stages
+below lose a session mid-step (a replica dies, hangs or answers `downstream`/`internal`),
+the head closes what is left of it below, opens it again on a route that is up, replays
+the history there as a prefill from position 0 (its own KV is recomputed on the way, by
+the same steps), and then runs the step that broke. The requester sees a slower reply,
+never an error, while some route is up. Recovery is bounded: `attempts` tries within
+`deadline_s`; after that the step fails with `downstream`, rolled back as before.
+
+In batch-invariant mode a replayed prefill rebuilds bit for bit the KV that padded decode
+steps built (DESIGN.md), so a recovered session goes on with exactly the tokens an
+undisturbed one would have produced.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+import trio
+
+from neuron_tai.forwarding import BrokenRoute, Forwarder
+from protocol.errors import ErrorCode, Fault
+from transport import wire
+
+log = logging.getLogger("neuron_tai.recovery")
+
+Key = tuple[bytes, str]
+
+
+class Histories:
+    """Every open session's tokens by position: bounded by its `max_tokens`, freed with it."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[Key, npt.NDArray[np.int32]] = {}
+
+    def record(self, key: Key, pos: int, tokens: npt.NDArray[np.int32]) -> None:
+        """A step at `pos` went through: the history is what came before it, then its tokens."""
+        kept = self.tokens.get(key, np.empty(0, np.int32))[:pos]
+        self.tokens[key] = np.concatenate([kept, np.asarray(tokens, np.int32)])
+
+    def before(self, key: Key, pos: int) -> npt.NDArray[np.int32]:
+        return self.tokens.get(key, np.empty(0, np.int32))[:pos]
+
+    def forget(self, key: Key) -> None:
+        self.tokens.pop(key, None)
+
+
+@dataclass(slots=True)
+class RecoveryStats:
+    recoveries: int = 0
+    failed: int = 0
+    replayed_tokens: int = 0
+    seconds_total: float = 0.0
+    seconds_max: float = 0.0
+
+    def as_wire(self) -> dict[str, float | int]:
+        return {
+            "recoveries_total": self.recoveries,
+            "recoveries_failed_total": self.failed,
+            "replayed_tokens_total": self.replayed_tokens,
+            "recovery_seconds_total": round(self.seconds_total, 6),
+            "recovery_seconds_max": round(self.seconds_max, 6),
+        }
+
+
+T = TypeVar("T")
+
+
+class Recovery(Generic[T]):
+    """Recovers the sessions of a chain's head; `T` is what a step that went through gives."""
+
+    def __init__(
+        self,
+        forwarder: Forwarder,
+        step_once: Callable[[bytes, wire.Step], Awaitable[T | Fault | BrokenRoute]],
+        *,
+        max_step_tokens: int,
+        attempts: int,
+        deadline_s: float,
+    ) -> None:
+        self.forwarder = forwarder
+        self.step_once = step_once  # one step through this stage and the chain, no recovery
+        self.max_step_tokens = max_step_tokens
+        self.attempts = attempts
+        self.deadline_s = deadline_s
+        self.histories = Histories()
+        self.stats = RecoveryStats()
+
+    async def recover(self, peer: bytes, req: wire.Step, broken: BrokenRoute) -> T | Fault:
+        """The outcome of `req` after its route was rebuilt (a StepOutcome), or why not (a Fault)."""
+        started = trio.current_time()
+        log.warning("session %r lost its route (%s): recovering", req.session, broken.fault.message)
+        outcome: T | Fault | BrokenRoute = broken
+        with trio.move_on_after(self.deadline_s):
+            for attempt in range(self.attempts):
+                if attempt:
+                    await trio.sleep(min(0.25 * 2**attempt, 2.0))
+                outcome = await self._attempt(peer, req)
+                if not isinstance(outcome, BrokenRoute):
+                    break
+        elapsed = trio.current_time() - started
+        if isinstance(outcome, BrokenRoute):
+            self.stats.failed += 1
+            log.warning("session %r: no route recovered it within %d attempts", req.session, self.attempts)
+            self.forwarder.engine.count_error(ErrorCode.DOWNSTREAM)
+            why = f"{broken.fault.message}; no route recovered the session: resend from pos 0"
+            return Fault(ErrorCode.DOWNSTREAM, why)
+        self.stats.recoveries += 1
+        self.stats.seconds_total += elapsed
+        self.stats.seconds_max = max(self.stats.seconds_max, elapsed)
+        return outcome
+
+    async def _attempt(self, peer: bytes, req: wire.Step) -> T | Fault | BrokenRoute:
+        """Reopen below, replay the history before `req.pos`, then run `req` itself."""
+        if not await self.forwarder.reroute(peer, req.session):
+            unopened = Fault(ErrorCode.DOWNSTREAM, "no replica of the next stage opened the session")
+            return BrokenRoute(unopened)
+        history = self.histories.before((peer, req.session), req.pos)
+        chunk = min(self.max_step_tokens, self.forwarder.chain_max_step_tokens or self.max_step_tokens)
+        for start in range(0, len(history), chunk):
+            tokens = history[start : start + chunk]
+            out = "hidden" if req.out == "hidden" else "logits"  # no sampling: the sampler's state stays
+            replay = wire.Step(req.rid, req.session, start, len(tokens), "tokens", out, "f32", tokens=tokens)
+            done = await self._step(peer, replay)
+            if isinstance(done, BrokenRoute | Fault):
+                return done
+            self.stats.replayed_tokens += len(tokens)
+        return await self._step(peer, req)
+
+    async def _step(self, peer: bytes, req: wire.Step) -> T | Fault | BrokenRoute:
+        """One step, waiting out `busy` (congestion, not a broken route) until the deadline."""
+        while True:
+            done = await self.step_once(peer, req)
+            if not (isinstance(done, Fault) and done.code is ErrorCode.BUSY):
+                return done
+            await trio.sleep(max(done.retry_after_ms or 0, 1) / 1000)
