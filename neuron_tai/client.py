@@ -57,6 +57,11 @@ class NoNodeAnswered(TimeoutError):
     """Nothing answered a `ping` at the address: no node runs there (or it refused our key)."""
 
 
+def no_node(address: str, within_s: float, curve: bool) -> NoNodeAnswered:
+    hint = " (is it running? with CURVE: does it admit this client's key?)" if curve else " (is it running?)"
+    return NoNodeAnswered(f"no node answered at {address} within {within_s:g} s{hint}")
+
+
 @dataclass(frozen=True, slots=True)
 class StepReply:
     result: wire.Result | None  # None where no node answered (an engine driven in process)
@@ -107,12 +112,38 @@ def _expect(reply: wire.Reply, kind: type[R]) -> R:
 
 
 class Client:
-    def __init__(self, sock: TrioSocket, timeout_s: float, retries: int, address: str = "the node") -> None:
+    """Requests to one node. With `check_s`, the first request waits at most that long for the
+    node to answer a `ping` and raises `NoNodeAnswered` when none does (and the next request
+    checks again), so nobody waits out a request's timeouts and retries at an empty address."""
+
+    def __init__(
+        self,
+        sock: TrioSocket,
+        timeout_s: float,
+        retries: int,
+        address: str = "the node",
+        *,
+        check_s: float | None = None,
+        curve: bool = False,
+    ) -> None:
         self.core = Requester(sock)
         self.keeper = LeaseKeeper(self.core)  # pings while sessions are open, so the node keeps them
         self.timeout_s = timeout_s
         self.retries = retries
         self.address = address
+        self.check_s = check_s
+        self.curve = curve
+        self.answered = check_s is None  # whether the node has answered this client yet
+
+    async def _check_answers(self) -> None:
+        """Until the node has answered once: a `ping` within `check_s`, or NoNodeAnswered."""
+        if self.answered or self.check_s is None:
+            return
+        try:
+            await self.core.request(wire.Ping(0), self.check_s)  # an `error` reply too: a node is there
+        except TimeoutError:
+            raise no_node(self.address, self.check_s, self.curve) from None
+        self.answered = True
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Own the socket and keep the sessions' lease; when this stops, the waiting requests fail."""
@@ -124,6 +155,7 @@ class Client:
     async def call(self, request: wire.Request, *, retry: bool = True) -> wire.Reply:
         """Send one request (its `rid` is the client's business) and wait for its typed reply,
         `error` replies included; TimeoutError saying how long it waited in all."""
+        await self._check_answers()
         attempts = 1 + (self.retries if retry else 0)
         for _attempt in range(attempts):
             try:
@@ -232,6 +264,7 @@ class Client:
         request = wire.Generate(
             0, session, pos, len(ids), ids, max_new, frozenset(int(t) for t in stop), ignore_eog, stream
         )
+        await self._check_answers()
         replies = self.core.stream(request, self.timeout_s, final_ops=("done",), most=max_new + 1)
         try:
             async with aclosing(replies):
@@ -301,20 +334,6 @@ class Client:
             step = await self.step(session, len(ids) + produced - 1, tokens=[step.token])
 
 
-async def _answers(client: Client, address: str, within_s: float, curve: bool) -> NoNodeAnswered | None:
-    """None when something answers a `ping` at `address` within `within_s` (an `error` reply too:
-    a node is there); otherwise the error to raise."""
-    with trio.move_on_after(within_s):
-        try:
-            await client.core.request(wire.Ping(0), within_s)
-        except TimeoutError:
-            pass
-        else:
-            return None
-    hint = " (is it running? with CURVE: does it admit this client's key?)" if curve else " (is it running?)"
-    return NoNodeAnswered(f"no node answered at {address} within {within_s:g} s{hint}")
-
-
 @asynccontextmanager
 async def open_client(
     address: str,
@@ -323,39 +342,33 @@ async def open_client(
     retries: int = 2,
     server_key: Path | str | None = None,
     key: Path | str | None = None,
-    connect_check_s: float | None = CONNECT_CHECK_S,
+    check_s: float | None = CONNECT_CHECK_S,
 ) -> AsyncIterator[Client]:
     """A client of the node at `address` (`tcp://HOST:PORT` or `ipc://PATH`; AddressError, a
     ValueError, otherwise).
 
-    Unless `connect_check_s` is None, a node must answer a `ping` within that many seconds, or
-    `NoNodeAnswered` (a TimeoutError) is raised at once instead of each request waiting out
-    its timeout. For a node that requires CURVE give both `server_key` (the node's public key
-    file) and `key` (this client's .key_secret file). A node that does not admit the key never
-    answers: ZeroMQ drops the connection in its handshake.
+    Unless `check_s` is None, the first request finds out whether a node answers at all: a
+    `ping` within `check_s` (or `timeout_s` if shorter), else `NoNodeAnswered` (a TimeoutError)
+    at once instead of the request waiting out its timeouts. For a node that requires CURVE give
+    both `server_key` (the node's public key file) and `key` (this client's .key_secret file).
+    A node that does not admit the key never answers: ZeroMQ drops the connection in its handshake.
     """
     check_address(address)
     curve = client_curve(key, server_key)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    failure: NoNodeAnswered | None = None
     try:
         if curve is not None:
             curve.apply(sock)
         sock.connect(address)
-        client = Client(TrioSocket(sock), timeout_s, retries, address)
+        within = None if check_s is None else min(check_s, timeout_s)
+        client = Client(TrioSocket(sock), timeout_s, retries, address, check_s=within, curve=curve is not None)
         async with trio.open_nursery() as nursery:
             await nursery.start(client.run)
-            if connect_check_s is not None:
-                failure = await _answers(client, address, connect_check_s, curve is not None)
-            if failure is None:
-                try:
-                    yield client
-                finally:
-                    nursery.cancel_scope.cancel()
-            nursery.cancel_scope.cancel()
+            try:
+                yield client
+            finally:
+                nursery.cancel_scope.cancel()
     finally:
         sock.close(linger=0)
-    if failure is not None:
-        raise failure
