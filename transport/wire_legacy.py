@@ -9,11 +9,13 @@ import msgpack
 
 from protocol.errors import ErrorCode
 from transport.reply_check import answer_to
-from transport.wire_header import pack_header
+from transport.wire_header import HeaderLimits, pack_header
 from transport.wire_replies import Opened, Reply, encode_reply
 from transport.wire_requests import OUTS, Close, Open, Ping, Request, Stats, Step, decode_request, hidden_bytes
 
 hidden_frame = hidden_bytes
+# A header this side built is not bounded here: the peer that receives it bounds it.
+_UNBOUNDED = HeaderLimits(2**31, 2**31, 2**16, 2**16, 16, max_bin_bytes=2**31, max_text_bytes=2**31)
 
 
 def encode(header: dict[str, Any], *payload: bytes) -> list[bytes]:
@@ -31,7 +33,7 @@ def encode_error(
 
 def request_from_header(header: dict[str, Any], payload: list[bytes], n_embd: int) -> Request:
     """The typed request a hand-built header describes (checked as the node checks requests)."""
-    return decode_request(encode({**header, "rid": 0}, *payload), n_embd, outs=OUTS)
+    return decode_request(encode({**header, "rid": 0}, *payload), n_embd, _UNBOUNDED, 2**31, outs=OUTS)
 
 
 def reply_header(reply: Reply) -> tuple[dict[str, Any], list[bytes]]:
