@@ -21,7 +21,7 @@ from neuron_tai.testmodel import vocabulary
 from neuron_tai.text_stream import CONTEXT, WINDOW, TextStream
 from tests.conftest import CONFIG
 
-TOKENS, _, _ = vocabulary()
+TOKENS = vocabulary()[0]
 N_VOCAB = len(TOKENS)
 BYTE0 = TOKENS.index("<0x00>")
 TOKENS_OF = {t: [i] for i, t in enumerate(TOKENS)}
