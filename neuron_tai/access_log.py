@@ -7,6 +7,8 @@ to the last byte:
     127.0.0.1:51234 - "POST /v1/completions HTTP/1.1" 200 24 0.153s
 
 An endpoint reports its tokens through `Access`, which the middleware puts into the scope.
+A request whose client went away before its response started is logged as 499, nginx's
+"client closed request".
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ class AccessLog:
             return
         start = time.perf_counter()
         access = scope[SCOPE_KEY] = Access()
-        status = 500  # unless the app starts a response: it failed
+        status = 499  # no response started: the client went away first (nginx's code; an app error sends its 500)
 
         async def sending(message: Message) -> None:
             nonlocal status
