@@ -51,8 +51,6 @@ class StopText:
         return longest
 
     def _release(self, upto: int) -> str:
-        if upto <= self.shown:
-            return ""
-        out = self.text[self.shown : upto]
-        self.shown = upto
+        out = self.text[self.shown : upto]  # empty unless `upto` is past what was shown
+        self.shown = max(self.shown, upto)
         return out
