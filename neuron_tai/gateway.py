@@ -163,6 +163,7 @@ class Gateway:
         self.template = template
         self.metrics = GatewayMetrics()
         self.active = 0
+        self.unhealthy: str | None = None  # why /health last said 503, None while it says 200
 
     def app(self) -> Starlette:
         return Starlette(
@@ -189,10 +190,14 @@ class Gateway:
 
     async def health(self, _request: Request) -> Response:
         stats = await self._node_stats()
-        if stats is not None and not link_down(stats):
+        reason = None
+        if stats is None or link_down(stats):
+            reason = "the node does not answer" if stats is None else "the node's next stage is not connected"
+        if reason != self.unhealthy:  # a line when the state changes, not on every poll
+            log.log(logging.WARNING if reason else logging.INFO, "health: %s (%s)", reason or "ok", self.config.node)
+            self.unhealthy = reason
+        if reason is None:
             return JSONResponse({"status": "ok"})
-        reason = "the node does not answer" if stats is None else "the node's next stage is not connected"
-        log.warning("health: %s (%s)", reason, self.config.node)
         return JSONResponse({"status": "unavailable", "node": self.config.node, "reason": reason}, status_code=503)
 
     async def prometheus(self, _request: Request) -> Response:

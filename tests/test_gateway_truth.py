@@ -76,7 +76,9 @@ async def test_a_long_stream_is_detokenized_a_window_at_a_time(node: str, monkey
 # -- health and the access log ------------------------------------------------------------
 
 
-async def test_health_is_503_once_the_chains_next_stage_is_gone(tiny_shards2: list[Path]) -> None:
+async def test_health_is_503_once_the_chains_next_stage_is_gone(
+    tiny_shards2: list[Path], caplog: pytest.LogCaptureFixture
+) -> None:
     addr = [f"tcp://127.0.0.1:{_free_port()}" for _ in range(2)]
     tail = NodeProcess(tiny_shards2[1], addr[1])
     head = NodeProcess(tiny_shards2[0], addr[0], ["--next", addr[1]])
@@ -87,6 +89,7 @@ async def test_health_is_503_once_the_chains_next_stage_is_gone(tiny_shards2: li
                 return (await http.get("/health")).status_code == 200
 
             await eventually(healthy)  # the head links up with the tail
+            caplog.clear()
             assert (await http.get("/health")).json() == {"status": "ok"}
             tail.kill()
 
@@ -99,6 +102,11 @@ async def test_health_is_503_once_the_chains_next_stage_is_gone(tiny_shards2: li
             head.kill()
             await eventually(unhealthy)
             assert (await http.get("/health")).json()["reason"] == "the node does not answer"
+    changes = [r.getMessage() for r in caplog.records if r.name == "neuron_tai.gateway" and "health" in r.getMessage()]
+    assert [c.split(" (")[0] for c in changes] == [  # once per change of state, not per poll
+        "health: the node's next stage is not connected",
+        "health: the node does not answer",
+    ]
 
 
 LINE = re.compile(r'^127\.0\.0\.1:\d+ - "(\w+) (\S+) HTTP/1\.1" (\d{3}) (\d+|-) \d+\.\d{3}s$')
