@@ -29,6 +29,7 @@ import trio
 import zmq
 
 from neuron_tai.security import client_curve
+from neuron_tai.text_stream import TextStream
 from protocol.errors import ErrorCode, Fault
 from protocol.sampling import Sampling
 from transport import wire
@@ -293,41 +294,43 @@ class Client:
         server_side: bool = True,
     ) -> AsyncIterator[str]:
         """Stream the text of a completion as it is produced; the session is closed at the end.
-        End-of-generation tokens end it and are not part of the text."""
+        End-of-generation tokens end it and are not part of the text. Each reply's tokens are
+        detokenized with a short window of the ones before (`TextStream`), not the whole answer."""
         ids = await self.tokenize(prompt)
         session = uuid.uuid4().hex
         opened = await self.open_session(session, len(ids) + max_new_tokens, sampling=sampling, wait_ms=wait_ms)
         eog = set(opened.stage.eog_tokens)
-        tokens = self._server_loop if server_side else self._step_loop
-        out: list[int] = []
-        shown = ""
+        batches = self._server_loop if server_side else self._step_loop
+        text = TextStream(self.detokenize)
         try:
-            async with aclosing(tokens(session, ids, max_new_tokens, eog)) as produced:
-                async for token in produced:
-                    out.append(token)
-                    text = await self.detokenize(out)
-                    if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-                        yield text[len(shown) :]
-                        shown = text
+            async with aclosing(batches(session, ids, max_new_tokens, eog)) as produced:
+                async for tokens in produced:
+                    if piece := await text.push(tokens):
+                        yield piece
+            if piece := text.flush():
+                yield piece
         finally:
             await self.close_on_exit(session)
 
     async def _server_loop(
         self, session: str, ids: list[int], max_new: int, eog: set[int]
-    ) -> AsyncGenerator[int, None]:
+    ) -> AsyncGenerator[list[int], None]:
+        """The tokens of each `generated` reply, up to the first end-of-generation token."""
         async with aclosing(self.generate_tokens(session, 0, ids, max_new)) as replies:
             async for reply in replies:
                 if isinstance(reply, Generated):
-                    for token in reply.tokens:
-                        if token in eog:
-                            return
-                        yield token
+                    ended = next((i for i, t in enumerate(reply.tokens) if t in eog), None)
+                    yield reply.tokens[:ended]
+                    if ended is not None:
+                        return
 
-    async def _step_loop(self, session: str, ids: list[int], max_new: int, eog: set[int]) -> AsyncGenerator[int, None]:
+    async def _step_loop(
+        self, session: str, ids: list[int], max_new: int, eog: set[int]
+    ) -> AsyncGenerator[list[int], None]:
         step = await self.step(session, 0, tokens=ids)
         produced = 0
         while step.token is not None and step.token not in eog:
-            yield step.token
+            yield [step.token]
             produced += 1
             if produced >= max_new:
                 return
