@@ -62,21 +62,68 @@ log = logging.getLogger("neuron_tai.gateway")
 
 @dataclass(frozen=True, slots=True)
 class GatewayConfig:
-    node: str
-    host: str = "127.0.0.1"
-    port: int = 8080
-    model_name: str = "neuron-tai"
-    model: Path | None = None  # the GGUF file, for its chat template
-    server_key: Path | None = None
-    key: Path | None = None
-    timeout_s: float = 60.0  # the node's replies, each within this of the one before
-    max_requests: int = 64  # generations in flight; more are refused with 429
-    open_wait_ms: int = 0  # how long a request may wait at a full node (its bounded queue) before 429
+    """What the gateway serves; each field's `metadata` is its `neuron-tai gateway` option (cli_options.py)."""
+
+    node: str = field(
+        metadata={
+            "help": "the node (or chain head) to serve from",
+            "group": "start",
+            "kind": "address",
+            "metavar": "ADDR",
+        }
+    )
+    host: str = field(default="127.0.0.1", metadata={"help": "HTTP address to listen on", "group": "start"})
+    port: int = field(
+        default=8080, metadata={"help": "HTTP port (0: any free port)", "group": "start", "min": 0, "max": 65535}
+    )
+    model_name: str = field(
+        default="neuron-tai", metadata={"help": "the model id clients see and send", "group": "start"}
+    )
+    # The GGUF file, for its chat template.
+    model: Path | None = field(
+        default=None,
+        metadata={
+            "help": "the GGUF model (or its first shard): chat prompts use its template",
+            "group": "start",
+            "metavar": "FILE",
+            "shown": "none: plain 'role: content' prompts",
+        },
+    )
+    server_key: Path | None = field(
+        default=None, metadata={"help": "the node's public key (CURVE)", "metavar": "FILE", "shown": "no CURVE"}
+    )
+    key: Path | None = field(
+        default=None,
+        metadata={"help": "this client's key pair, .key_secret (CURVE)", "metavar": "FILE", "shown": "no CURVE"},
+    )
+    # The node's replies, each within this of the one before.
+    timeout_s: float = field(
+        default=60.0, metadata={"help": "seconds to wait for each reply of the node", "flag": "timeout", "min": 0}
+    )
+    max_requests: int = field(
+        default=64, metadata={"help": "generations in flight; more get 429", "group": "limits", "min": 1}
+    )
+    # How long a request may wait at a full node (its bounded queue) before 429.
+    open_wait_ms: int = field(
+        default=0,
+        metadata={
+            "help": "a request may wait this long in a full node's queue before 429",
+            "group": "limits",
+            "min": 0,
+        },
+    )
     model_aliases: tuple[str, ...] = field(
-        default=(), metadata={"help": "more model ids that requests may send for the model (answers name --model-name)"}
+        default=(),
+        metadata={
+            "help": "more model ids requests may name, separated by commas (answers name --model-name)",
+            "group": "start",
+            "kind": "names",
+            "flag": "model-alias",
+            "shown": "none",
+        },
     )
     access_log: bool = field(
-        default=True, metadata={"help": "log one line per HTTP request (method, path, status, tokens, time) at INFO"}
+        default=True, metadata={"help": "log one line per HTTP request (method, path, status, tokens, time)"}
     )
 
     @property
