@@ -44,8 +44,10 @@ def test_a_session_goes_only_to_an_up_replica_and_to_the_least_loaded(count: int
         elif what == "fail":
             backoff = book.failed(i, now)
             assert book.state(i, now, connected[i]) is not ReplicaState.UP
-            assert book.state(i, now + backoff, connected[i]) is ReplicaState.UP or not connected[i] or (
-                book.records[i].mismatch
+            assert (
+                book.state(i, now + backoff, connected[i]) is ReplicaState.UP
+                or not connected[i]
+                or (book.records[i].mismatch)
             )
         elif what == "succeed":
             book.succeeded(i)
