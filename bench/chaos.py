@@ -243,15 +243,15 @@ class Run:
 async def targets(run: Run) -> dict[str, Target]:
     """What the hostile peers need to know of each attacked node, asked of the nodes themselves."""
     async with open_client(run.addresses[SINGLE], timeout_s=30) as client:
-        stage = (await client.open("facts", 8))["stage"]
+        stage = (await client.open("facts", 8)).stage
         await client.close("facts")
     out = {}
     for name in ATTACKED:
         stats = await node_stats(run.addresses[name])
         if stats is None:
             raise RuntimeError(f"{name} does not answer `stats`")
-        out[name] = Target(name, run.addresses[name], first=name != TAIL, last=True, n_vocab=stage["n_vocab"],
-                           n_embd=stage["n_embd"], max_text_bytes=stats["max_text_bytes"],
+        out[name] = Target(name, run.addresses[name], first=name != TAIL, last=True, n_vocab=stage.n_vocab,
+                           n_embd=stage.n_embd, max_text_bytes=stats["max_text_bytes"],
                            max_text_tokens=stats["max_text_tokens"], max_header_bytes=stats["max_header_bytes"],
                            max_message_bytes=stats["max_message_bytes"])  # fmt: skip
     return out

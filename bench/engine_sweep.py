@@ -57,14 +57,13 @@ class EngineClient:
 
     engine: Engine
 
-    async def open(self, session: str, max_tokens: int, *, wait_ms: int = 0) -> dict[str, Any]:
-        return {"kv_reserved": _ok(await self.engine.request(OpenRequest(OWNER, session, max_tokens, wait_ms=wait_ms)),
-                                   Opened).kv_reserved}  # fmt: skip
+    async def open(self, session: str, max_tokens: int, *, wait_ms: int = 0) -> object:
+        return _ok(await self.engine.request(OpenRequest(OWNER, session, max_tokens, wait_ms=wait_ms)), Opened)
 
     async def step(self, session: str, pos: int, *, tokens: list[int], out: str) -> StepReply:
         request = StepRequest(OWNER, session, pos, Output(out), tokens=np.array(tokens, np.int32))
         done = _ok(await self.engine.request(request), StepDone)
-        return StepReply({"pos": done.pos, "n": done.n}, token=done.token, logits=done.logits)
+        return StepReply(None, token=done.token, logits=done.logits)
 
     async def close_on_exit(self, session: str) -> None:
         with trio.CancelScope(shield=True):

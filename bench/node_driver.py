@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from contextlib import aclosing
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -23,7 +23,7 @@ from neuron_tai.client import Done, Generated, NodeError, StepReply
 
 
 class SessionClient(Protocol):
-    async def open(self, session: str, max_tokens: int, *, wait_ms: int = 0) -> dict[str, Any]: ...
+    async def open(self, session: str, max_tokens: int, *, wait_ms: int = 0) -> object: ...
 
     async def step(self, session: str, pos: int, *, tokens: list[int], out: str) -> StepReply: ...
 

@@ -697,7 +697,9 @@ class Engine:
         if req.out is Output.HIDDEN:
             hidden = work.hidden[0] if len(work.hidden) == 1 else np.concatenate(work.hidden)
         max_tokens = self.scheduler.sessions[(req.owner, req.session)].max_tokens
-        return StepDone(req.session, req.pos, req.n, req.out, hidden, last.logits, last.token, req.pos + req.n, max_tokens)
+        return StepDone(
+            req.session, req.pos, req.n, req.out, hidden, last.logits, last.token, req.pos + req.n, max_tokens
+        )
 
     async def _no_kv_slot(self, plan: Plan) -> None:
         """llama.cpp found no contiguous KV slot for the call (it wrote nothing): a transient outcome.

@@ -35,7 +35,7 @@ from protocol.sampling import Sampling
 from transport import wire
 from transport.address import check_address
 from transport.keepalive import LeaseKeeper
-from transport.requester import ClientClosed, OutboxFull, RawReply, Requester
+from transport.requester import ClientClosed, OutboxFull, Requester
 from transport.trio_zmq import TrioSocket
 
 __all__ = [
@@ -171,14 +171,6 @@ class Client:
             f" ({attempts} attempt{'s' if attempts > 1 else ''} of {self.timeout_s:g} s)"
         )
 
-    async def request(self, header: dict[str, Any], *payload: bytes, retry: bool = True) -> RawReply:
-        """`call` for a request given as a header map, the reply as one; Fault for an `error`.
-        (For callers written before the typed codec; new code uses `call`.)"""
-        reply = await self.call(wire.request_from_header(header, list(payload), 0), retry=retry)
-        if isinstance(reply, wire.ErrorReply):
-            raise reply.fault()
-        return wire.reply_header(reply)
-
     async def ping(self, *, retry: bool = True) -> float:
         start = trio.current_time()
         _expect(await self.call(wire.Ping(0), retry=retry), wire.Pong)
@@ -194,7 +186,7 @@ class Client:
     async def detokenize(self, tokens: list[int]) -> str:
         return _expect(await self.call(wire.Detokenize(0, np.array(tokens, np.int32))), wire.Text).text
 
-    async def open_session(
+    async def open(
         self, session: str, max_tokens: int, *, sampling: Sampling | Mapping[str, Any] | None = None, wait_ms: int = 0
     ) -> wire.Opened:
         """Open `session` for `max_tokens` positions; the node's typed `opened`."""
@@ -202,13 +194,6 @@ class Client:
         opened = _expect(await self.call(request, retry=False), wire.Opened)
         self.keeper.opened(session, opened.lease_ms)
         return opened
-
-    async def open(
-        self, session: str, max_tokens: int, *, sampling: Sampling | Mapping[str, Any] | None = None, wait_ms: int = 0
-    ) -> dict[str, Any]:
-        """`open_session`, the reply as its header map (for callers written before the typed codec)."""
-        opened = await self.open_session(session, max_tokens, sampling=sampling, wait_ms=wait_ms)
-        return wire.reply_header(opened)[0]
 
     async def close(self, session: str) -> bool:
         self.keeper.closed(session)  # if the close is lost, the node's lease frees the session
@@ -298,7 +283,7 @@ class Client:
         detokenized with a short window of the ones before (`TextStream`), not the whole answer."""
         ids = await self.tokenize(prompt)
         session = uuid.uuid4().hex
-        opened = await self.open_session(session, len(ids) + max_new_tokens, sampling=sampling, wait_ms=wait_ms)
+        opened = await self.open(session, len(ids) + max_new_tokens, sampling=sampling, wait_ms=wait_ms)
         eog = set(opened.stage.eog_tokens)
         batches = self._server_loop if server_side else self._step_loop
         text = TextStream(self.detokenize)

@@ -41,7 +41,7 @@ from zmq.utils.monitor import parse_monitor_message
 from neuron_tai.security import ClientCurve
 from transport.keepalive import LeaseKeeper
 from transport.memory_bounds import MAX_OUTBOX_BYTES
-from transport.requester import ClientClosed, OutboxFull, RawReply, Requester
+from transport.requester import ClientClosed, OutboxFull, Requester
 from transport.trio_zmq import TrioSocket
 from transport.wire import (
     NEXT_STAGE_REPLY_LIMITS,
@@ -53,8 +53,6 @@ from transport.wire import (
     Request,
     answer_to,
     op_of,
-    reply_header,
-    request_from_header,
 )
 
 log = logging.getLogger("neuron_tai.downstream")
@@ -186,18 +184,6 @@ class NextStage:
             return reply
         self.failures += 1
         return None
-
-    async def request(self, header: dict[str, Any], payload: list[bytes] | None = None) -> RawReply | None:
-        """`call` for a request given as a header map, the reply as one (the node's form until
-        it is switched to `call`)."""
-        try:
-            request = request_from_header(header, payload or [], self.n_embd)
-        except Fault as exc:  # a bug of the caller's: this request fails, the link goes on
-            log.error("a request for next stage %s is malformed: %s", self.address, exc.message)
-            self.failures += 1
-            return None
-        reply = await self.call(request)
-        return None if reply is None else reply_header(reply)
 
     def close_soon(self, session: str) -> None:
         """Close a forwarded session there without waiting for the answer (never blocks)."""

@@ -24,7 +24,6 @@ from neuron_tai.replicas import Replicas
 from protocol.errors import ErrorCode, Fault
 from protocol.stage import Stage
 from transport import wire
-from transport.requester import Reply
 
 log = logging.getLogger("neuron_tai.node")
 
@@ -34,13 +33,6 @@ Key = tuple[bytes, str]
 def forwarded_session(peer: bytes, session: str) -> str:
     """The id a session has on the next stage: distinct per upstream connection."""
     return hashlib.blake2b(peer + b"\0" + session.encode(), digest_size=12).hexdigest()
-
-
-def _open_header(session: str, req: wire.Open) -> dict[str, Any]:
-    s = req.sampling
-    sampling = {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "seed": s.seed}
-    open_ = {"op": "open", "session": session, "max_tokens": req.max_tokens, "wait_ms": req.wait_ms}
-    return {**open_, "sampling": sampling}
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,16 +46,18 @@ class BrokenRoute:
 _BROKEN = frozenset({ErrorCode.DOWNSTREAM, ErrorCode.INTERNAL})
 
 
-def _their_fault(header: dict[str, Any]) -> Fault:
+def _their_fault(reply: wire.Reply) -> Fault:
     """The next stage's own error, relayed as it came."""
-    return Fault(ErrorCode.parse(header.get("code")), str(header.get("message", "")), header.get("retry_after_ms"))
+    if isinstance(reply, wire.ErrorReply):
+        return reply.fault()
+    return Fault(ErrorCode.DOWNSTREAM, f"the next stage answered an open with {type(reply).__name__}")
 
 
 class Forwarder:
     def __init__(self, replicas: Replicas, engine: Engine) -> None:
         self.replicas = replicas
         self.engine = engine  # counts the errors decided here
-        self.opens: dict[Key, dict[str, Any]] = {}  # each forwarded session's open, to reopen it
+        self.opens: dict[Key, wire.Open] = {}  # each forwarded session's open, to reopen it
         self.chain_max_step_tokens: int | None = None  # the fewest any stage below takes in one step
 
     def _downstream(self, message: str) -> Fault:
@@ -73,55 +67,49 @@ class Forwarder:
     async def open(self, peer: bytes, req: wire.Open, stage: Stage) -> Stage | Fault:
         """Open the session on the next stage: the chain's stage seen from here, or why not."""
         fwd = forwarded_session(peer, req.session)
-        header = _open_header(fwd, req)
-        reply = await self.replicas.open(fwd, header)
+        request = replace(req, rid=0, session=fwd)
+        reply = await self.replicas.open(fwd, request)
         if reply is None:
             return self._downstream("no replica of the next stage answered; nothing was opened")
-        if reply[0].get("op") != "opened":
-            return _their_fault(reply[0])
-        self.opens[(peer, req.session)] = {**header, "wait_ms": 0}
-        theirs = reply[0].get("stage", {})
+        if not isinstance(reply, wire.Opened):
+            return _their_fault(reply)
+        self.opens[(peer, req.session)] = replace(request, wait_ms=0)
+        theirs = reply.stage
         chained = replace(
             stage,
-            last=theirs.get("last", False),
-            layers=(stage.layers[0], theirs.get("layers", [0, 0])[1]),
-            max_step_tokens=min(stage.max_step_tokens, theirs.get("max_step_tokens", 1 << 30)),
-            eog_tokens=tuple(theirs.get("eog_tokens", stage.eog_tokens)),
+            last=theirs.last,
+            layers=(stage.layers[0], theirs.layers[1]),
+            max_step_tokens=min(stage.max_step_tokens, theirs.max_step_tokens),
+            eog_tokens=theirs.eog_tokens or stage.eog_tokens,  # a minimal stage may name none
         )
         self.chain_max_step_tokens = min(chained.max_step_tokens, self.chain_max_step_tokens or 1 << 30)
         return chained
 
-    async def step(self, peer: bytes, req: wire.Step, hidden: npt.NDArray[np.float32]) -> Reply | Fault | BrokenRoute:
+    async def step(
+        self, peer: bytes, req: wire.Step, hidden: npt.NDArray[np.float32]
+    ) -> wire.Result | Fault | BrokenRoute:
         """The next stage's `result` for this step, or why there is none (the caller rolls back).
 
         If the next stage lost the session (it restarted) and the step starts at 0, the
         session is opened there again and the step resent, once."""
         fwd = forwarded_session(peer, req.session)
-        header = {
-            "op": "step",
-            "session": fwd,
-            "pos": req.pos,
-            "n": req.n,
-            "input": "hidden",
-            "dtype": "f32",
-            "out": req.out,
-            "out_dtype": req.out_dtype,
-        }
-        payload = [wire.hidden_frame(hidden, "f32")]
+        step = wire.Step(0, fwd, req.pos, req.n, "hidden", req.out, req.out_dtype, hidden=hidden)
         if req.pos == 0 and fwd not in self.replicas.placed:  # given up below after a failure: open it again
             await self.reroute(peer, req.session)
-        reply = await self.replicas.request(fwd, header, payload)
-        lost = reply is not None and reply[0].get("code") == ErrorCode.UNKNOWN_SESSION
+        reply = await self.replicas.request(fwd, step)
+        lost = isinstance(reply, wire.ErrorReply) and reply.code is ErrorCode.UNKNOWN_SESSION
         if lost and req.pos == 0 and await self.reroute(peer, req.session):
-            reply = await self.replicas.request(fwd, header, payload)
+            reply = await self.replicas.request(fwd, step)
         if reply is None:
             return BrokenRoute(Fault(ErrorCode.DOWNSTREAM, "the next stage failed or did not answer"))
-        if reply[0].get("op") == "result":
+        if isinstance(reply, wire.Result):
             return reply
-        if reply[0].get("code") == ErrorCode.UNKNOWN_SESSION:
-            lost = Fault(ErrorCode.DOWNSTREAM, "the next stage lost this session (restarted?); resend from pos 0")
-            return BrokenRoute(lost)
-        fault = _their_fault(reply[0])
+        if not isinstance(reply, wire.ErrorReply):  # `answer_to` lets nothing else through
+            return BrokenRoute(Fault(ErrorCode.DOWNSTREAM, f"the next stage answered a step with {reply!r}"))
+        if reply.code is ErrorCode.UNKNOWN_SESSION:
+            lost_fault = Fault(ErrorCode.DOWNSTREAM, "the next stage lost this session (restarted?); resend from pos 0")
+            return BrokenRoute(lost_fault)
+        fault = _their_fault(reply)
         return BrokenRoute(fault) if fault.code in _BROKEN else fault
 
     async def reroute(self, peer: bytes, session: str) -> bool:
@@ -132,8 +120,7 @@ class Forwarder:
         reopen = self.opens.get((peer, session))
         if reopen is None:  # freed here meanwhile: nothing to reopen
             return False
-        opened = await self.replicas.open(fwd, reopen)
-        if opened is None or opened[0].get("op") != "opened":
+        if not isinstance(await self.replicas.open(fwd, reopen), wire.Opened):
             return False
         if (peer, session) not in self.opens:  # freed here while it was being opened there
             self.replicas.release(fwd)

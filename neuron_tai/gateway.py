@@ -260,7 +260,7 @@ class Gateway:
     async def _node_stats(self) -> dict[str, Any] | None:
         """The node's `stats`, or None when it does not answer within STATS_TIMEOUT_S."""
         with trio.move_on_after(STATS_TIMEOUT_S), suppress(NodeError, ClientClosed, TimeoutError):
-            return (await self.client.request({"op": "stats"}, retry=False))[0]["stats"]  # type: ignore[no-any-return]
+            return await self.client.stats(retry=False)
         return None
 
     # -- one generation --------------------------------------------------------------------
@@ -417,13 +417,11 @@ class Gateway:
             if exc.code in (ErrorCode.TOO_LARGE, ErrorCode.KV_BUDGET):
                 await self._refuse_if_never_fits(exc, prompt, params)
             raise
-        stage = opened.get("stage", {})
-        session = NodeSession(session_id, {int(t) for t in stage.get("eog_tokens", [])})
-        limit = stage.get("max_step_tokens")
-        if isinstance(limit, int) and len(prompt.ids) > limit:
+        session = NodeSession(session_id, set(opened.stage.eog_tokens))
+        if len(prompt.ids) > opened.stage.max_step_tokens:
             session.finished = True  # no generate ran: close, nothing to cancel
             await self._end_session(session)
-            raise prompt_over_step(len(prompt.ids), limit, prompt.param)
+            raise prompt_over_step(len(prompt.ids), opened.stage.max_step_tokens, prompt.param)
         return session
 
     async def _refuse_if_never_fits(self, exc: NodeError, prompt: Prompt, params: GenerationParams) -> None:

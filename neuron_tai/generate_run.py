@@ -145,43 +145,27 @@ class Generations:
         if not req.stream or not progress.unsent or not (flush or not self.outbox.pump.backlog(peer)):
             return True
         first = len(progress.produced) - progress.unsent
-        header = {
-            "op": "generated",
-            "rid": req.rid,
-            "session": req.session,
-            "pos": req.pos + req.n + first,
-            "n": progress.unsent,
-        }
         progress.unsent = 0
-        ids = np.array(progress.produced[first:], "<i4").tobytes()
-        return self.outbox.deliver(peer, req.session, wire.encode(header, ids))
+        ids = np.array(progress.produced[first:], np.int32)
+        generated = wire.Generated(req.rid, req.session, req.pos + req.n + first, ids)
+        return self.outbox.deliver(peer, req.session, wire.encode_reply(generated))
 
     def _failed(self, peer: bytes, req: wire.Generate, run: Generation, progress: _Progress, fault: Fault) -> None:
         """The session keeps every token streamed before the error; `length` says where it stands."""
         if not self._stream(peer, req, progress, flush=True):
             return
         run.length = progress.pos if progress.produced else (self.engine.length_of(peer, req.session) or 0)
-        frames = wire.encode_error(
-            req.rid, fault.code, fault.message, fault.retry_after_ms, session=req.session, length=run.length
-        )
-        self.outbox.send(peer, frames)
+        self.outbox.send(peer, wire.encode_reply(wire.ErrorReply.of(fault, req.rid, req.session, run.length)))
 
     def _done(
         self, peer: bytes, req: wire.Generate, run: Generation, progress: _Progress, reason: EndReason | None
     ) -> None:
         produced = progress.produced
         run.length = progress.pos if produced else (self.engine.length_of(peer, req.session) or 0)
-        header = {
-            "op": "done",
-            "rid": req.rid,
-            "session": req.session,
-            "reason": str(reason),
-            "generated": len(produced),
-            "length": run.length,
-        }
-        payload = [] if req.stream else [np.array(produced, "<i4").tobytes()]
-        self.outbox.deliver(peer, req.session, wire.encode(header, *payload))
+        tokens = None if req.stream else np.array(produced, np.int32)
+        done = wire.Done(req.rid, req.session, str(reason), len(produced), run.length, tokens)
+        self.outbox.deliver(peer, req.session, wire.encode_reply(done))
 
 
 def _cancelled(rid: int, session: str, length: int) -> list[bytes]:
-    return wire.encode({"op": "cancelled", "rid": rid, "session": session, "length": length})
+    return wire.encode_reply(wire.Cancelled(rid, session, length))

@@ -43,7 +43,7 @@ from neuron_tai.leases import Leases
 from neuron_tai.outbox import Outbox
 from neuron_tai.replicas import Replicas
 from neuron_tai.security import AllowList, ClientCurve, is_loopback, make_curve_server, open_zmq_context
-from neuron_tai.sessions import SessionDesk, stage_map
+from neuron_tai.sessions import SessionDesk
 from neuron_tai.shard_fingerprint import shard_fingerprint
 from neuron_tai.steps import RecoveryLimits, SessionGate, StepRunner
 from neuron_tai.text_service import TextService
@@ -107,7 +107,8 @@ class Node:
         """`router` is bound already (`bind_router`); the caller closes it when the node is done."""
         self.config = config
         self.engine = engine
-        self.stage = engine.stage
+        self.fingerprint = shard_fingerprint(config.engine.model)
+        self.stage = replace(engine.stage, fingerprint=self.fingerprint)
         self.allow = allow  # the keys the ZAP handler admits: set when the node requires CURVE
         self.address = router.getsockopt_string(zmq.LAST_ENDPOINT)
         self.sock = TrioSocket(router)
@@ -120,7 +121,6 @@ class Node:
             max_peer_bytes=config.max_peer_reply_bytes,
             on_peer_gone=self._peer_gone,
         )
-        self.fingerprint = shard_fingerprint(config.engine.model)
         self._build_parts(config, engine)
         self.peers_gone = 0
         self.started = time.monotonic()
@@ -145,8 +145,9 @@ class Node:
             forget=self.pump.forget,
         )
         self.pool.on_ended = self.leases.renew  # the lease runs from the end of its requests' work
-        self.sessions = SessionDesk(engine, self.outbox, self.generations, self.forwarder,
-                                    lease_ms=self.leases.lease_ms, fingerprint=self.fingerprint)  # fmt: skip
+        self.sessions = SessionDesk(
+            engine, self.outbox, self.generations, self.forwarder, stage=self.stage, lease_ms=self.leases.lease_ms
+        )
         self.text = TextService(
             engine,
             self.pool,
@@ -186,9 +187,9 @@ class Node:
     def _dispatch(self, peer: bytes, request: wire.Request) -> None:
         rid = request.rid
         if isinstance(request, wire.Ping):
-            self.outbox.send(peer, wire.encode({"op": "pong", "rid": rid}))
+            self.outbox.send(peer, wire.encode_reply(wire.Pong(rid)))
         elif isinstance(request, wire.Stats):
-            self.outbox.send(peer, wire.encode({"op": "stats", "rid": rid, "stats": self.stats()}))
+            self.outbox.send(peer, wire.encode_reply(wire.StatsReply(rid, self.stats())))
         elif isinstance(request, wire.Tokenize | wire.Detokenize):
             self.text.start(peer, request)
         elif isinstance(request, wire.Open):
@@ -220,7 +221,7 @@ class Node:
             if isinstance(outcome, Fault):
                 self.outbox.relay(peer, req.rid, outcome)
             else:
-                self.outbox.deliver(peer, req.session, outcome.frames(req.rid, req.session, req.out_dtype))
+                self.outbox.deliver(peer, req.session, outcome.frames(req.rid, req.session))
 
         if self.pool.spawn(peer, req.rid, step, held=held, on_exit=lambda: self.gate.leave(key)):
             self.gate.enter(key)
@@ -265,7 +266,7 @@ class Node:
             leases_expired_total=self.leases.expired,
         )
         stats.update(self._security_stats())
-        stats["stage"] = {**stage_map(self.stage), "fingerprint": self.fingerprint}
+        stats["stage"] = wire.stage_map(self.stage)
         if self.steps.recovery is not None:
             stats.update(self.steps.recovery.stats.as_wire())
         if self.forwarder is not None:

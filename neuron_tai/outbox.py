@@ -48,7 +48,7 @@ class Outbox:
         """An error decided (and counted) elsewhere: the engine's, or the next stage's."""
         if fault.code is not ErrorCode.BUSY:
             log.debug("error %s to %s: %s", fault.code, peer.hex(), fault.message)
-        self.send(peer, wire.encode_error(rid, fault.code, fault.message, fault.retry_after_ms))
+        self.send(peer, wire.encode_reply(wire.ErrorReply.of(fault, rid)))
 
     def busy(self, peer: bytes, rid: int, message: str) -> None:
         self.error(peer, rid, Fault(ErrorCode.BUSY, message))

@@ -23,20 +23,18 @@ import trio
 from neuron_tai.downstream import NextStage
 from neuron_tai.replica_book import ReplicaBook
 from protocol.errors import ErrorCode
-from transport.requester import Reply
+from transport import wire
 
 log = logging.getLogger("neuron_tai.replicas")
 
-IDENTITY_KEYS = ("model", "layers", "fingerprint")
 _FAILED_CODES = frozenset({ErrorCode.DOWNSTREAM, ErrorCode.INTERNAL})
 
 
-def identity(opened: dict[str, Any]) -> tuple[Any, ...]:
+def identity(opened: wire.Opened) -> tuple[str, tuple[int, int], str]:
     """What must be equal across replicas of one layer range. A stage of someone else's making
     may leave out the model or the fingerprint: what it leaves out is compared as absent."""
-    stage = opened.get("stage")
-    stage = stage if isinstance(stage, dict) else {}
-    return tuple(tuple(v) if isinstance(v, list) else v for v in (stage.get(k) for k in IDENTITY_KEYS))
+    stage = opened.stage
+    return stage.model, stage.layers, stage.fingerprint
 
 
 class Replicas:
@@ -72,7 +70,7 @@ class Replicas:
                     await self._checked.wait()
         return self.any_up()
 
-    async def open(self, session: str, header: dict[str, Any]) -> Reply | None:
+    async def open(self, session: str, request: wire.Open) -> wire.Reply | None:
         """Open `session` on the least-loaded replica that is up, trying the others while one
         fails; the reply of the replica that answered (None: none did)."""
         await self.wait_up(self.connect_wait_s)
@@ -80,14 +78,14 @@ class Replicas:
         while (index := self.book.choose(trio.current_time(), self._connected(), frozenset(tried))) is not None:
             tried.add(index)
             self.book.place(index)  # counted before the reply: opens at once spread over the replicas
-            reply = await self.links[index].request(header)
+            reply = await self.links[index].call(request)
             if self._failed(index, reply) or reply is None:
                 self.book.release(index)
                 continue
-            if reply[0].get("op") != "opened":
+            if not isinstance(reply, wire.Opened):
                 self.book.release(index)
                 return reply
-            if not self._same(index, reply[0]):
+            if not self._same(index, reply):
                 self.book.release(index)
                 self.links[index].close_soon(session)
                 continue
@@ -95,20 +93,20 @@ class Replicas:
             return reply
         return None
 
-    async def request(self, session: str, header: dict[str, Any], payload: list[bytes] | None = None) -> Reply | None:
+    async def request(self, session: str, request: wire.Request) -> wire.Reply | None:
         """A request for a session on the replica it lives on (None: it has none, or that replica failed)."""
         index = self.placed.get(session)
         if index is None:
             return None
-        reply = await self.links[index].request(header, payload)
+        reply = await self.links[index].call(request)
         if self._failed(index, reply):
             self.release(session)  # the head recovers it elsewhere; what is left there is closed
             return None
         return reply
 
-    def _failed(self, index: int, reply: Reply | None) -> bool:
+    def _failed(self, index: int, reply: wire.Reply | None) -> bool:
         now = trio.current_time()
-        if reply is not None and reply[0].get("code") not in _FAILED_CODES:
+        if reply is not None and not (isinstance(reply, wire.ErrorReply) and reply.code in _FAILED_CODES):
             self.book.succeeded(index)
             return False
         backoff = self.book.failed(index, now)
@@ -141,15 +139,15 @@ class Replicas:
         """Open and close a session of one position; a replica too busy to open one is taken
         on trust until its first real `opened` (which is checked as well)."""
         link, probe = self.links[index], f"replica-check-{os.urandom(6).hex()}"
-        reply = await link.request({"op": "open", "session": probe, "max_tokens": 1})
+        reply = await link.call(wire.Open(0, probe, 1))
         if reply is None:
             return False
-        if reply[0].get("op") != "opened":
+        if not isinstance(reply, wire.Opened):
             return True
         link.close_soon(probe)
-        return self._same(index, reply[0])
+        return self._same(index, reply)
 
-    def _same(self, index: int, opened: dict[str, Any]) -> bool:
+    def _same(self, index: int, opened: wire.Opened) -> bool:
         """Whether an `opened` from this replica names what the others serve (else it is never used)."""
         address, theirs = self.links[index].address, identity(opened)
         if self.reference is None or theirs == self.reference:

@@ -23,20 +23,6 @@ from transport import wire
 Key = tuple[bytes, str]
 
 
-def stage_map(stage: Stage) -> dict[str, object]:
-    """`opened.stage` as the wire carries it."""
-    return {
-        "first": stage.first,
-        "last": stage.last,
-        "layers": list(stage.layers),
-        "n_embd": stage.n_embd,
-        "n_vocab": stage.n_vocab,
-        "model": stage.model,
-        "max_step_tokens": stage.max_step_tokens,
-        "eog_tokens": list(stage.eog_tokens),
-    }
-
-
 class SessionDesk:
     def __init__(
         self,
@@ -45,15 +31,15 @@ class SessionDesk:
         generations: Generations,
         forwarder: Forwarder | None,
         *,
+        stage: Stage,
         lease_ms: int,
-        fingerprint: str,
     ) -> None:
         self.engine = engine
         self.outbox = outbox
         self.generations = generations
         self.forwarder = forwarder
         self.lease_ms = lease_ms
-        self.fingerprint = fingerprint  # this stage's shard (neuron_tai.shard_fingerprint)
+        self.stage = stage  # what this stage serves, its shard's fingerprint included
         self.closing: dict[Key, int] = {}  # sessions whose close is under way: the close's rid
 
     async def open(self, peer: bytes, req: wire.Open) -> None:
@@ -63,7 +49,7 @@ class SessionDesk:
             self.outbox.relay(peer, req.rid, opened)
             return
         assert isinstance(opened, Opened)
-        stage = self.engine.stage
+        stage = self.stage
         if self.forwarder is not None:
             chained = await self.forwarder.open(peer, req, stage)
             if isinstance(chained, Fault):
@@ -73,15 +59,8 @@ class SessionDesk:
             if self.engine.max_tokens_of(peer, req.session) is None:  # freed meanwhile: free it there too
                 self.forwarder.session_freed(peer, req.session)
             stage = chained
-        header = {
-            "op": "opened",
-            "rid": req.rid,
-            "session": req.session,
-            "kv_reserved": opened.kv_reserved,
-            "stage": {**stage_map(stage), "fingerprint": self.fingerprint},
-            "lease_ms": self.lease_ms,
-        }
-        self.outbox.deliver(peer, req.session, wire.encode(header))
+        reply = wire.Opened(req.rid, req.session, opened.kv_reserved, stage, self.lease_ms)
+        self.outbox.deliver(peer, req.session, wire.encode_reply(reply))
 
     def close(self, peer: bytes, req: wire.Close) -> None:
         key = (peer, req.session)
@@ -107,4 +86,4 @@ class SessionDesk:
         self.engine.cleanup_nowait(CloseRequest(peer, session), answer)
 
     def _closed(self, peer: bytes, rid: int, session: str, existed: bool) -> None:
-        self.outbox.send(peer, wire.encode({"op": "closed", "rid": rid, "session": session, "existed": existed}))
+        self.outbox.send(peer, wire.encode_reply(wire.Closed(rid, session, existed)))

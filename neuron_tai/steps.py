@@ -10,7 +10,8 @@ carrying the session's length and `max_tokens`, until the edge writes it to a so
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -22,7 +23,6 @@ from neuron_tai.recovery import Recovery
 from protocol.errors import ErrorCode, Fault
 from protocol.stage import Stage
 from transport import wire
-from transport.requester import Reply
 
 Key = tuple[bytes, str]
 
@@ -31,41 +31,31 @@ _OUT = {"hidden": Output.HIDDEN, "token": Output.TOKEN, "logits": Output.LOGITS}
 
 @dataclass(frozen=True, slots=True)
 class StepOutcome:
-    """A step's result from the last stage it reached: exactly one of hidden, logits, token."""
+    """A step's `result` from the last stage it reached, with where the session stands here."""
 
-    pos: int
-    n: int
-    out: str
+    result: wire.Result
     length: int  # the session's length after the step
     max_tokens: int
-    hidden: npt.NDArray[np.floating] | None = None
-    logits: npt.NDArray[np.float32] | None = None
-    token: int | None = None
 
-    def frames(self, rid: int, session: str, out_dtype: str) -> list[bytes]:
-        """The `result` reply."""
-        header = {"op": "result", "rid": rid, "session": session, "pos": self.pos, "n": self.n, "out": self.out}
-        if self.hidden is not None:
-            return wire.encode({**header, "dtype": out_dtype}, wire.hidden_frame(self.hidden, out_dtype))
-        if self.logits is not None:
-            return wire.encode(header, np.asarray(self.logits, "<f4").tobytes())
-        return wire.encode(header, np.array([self.token], "<i4").tobytes())
+    @property
+    def token(self) -> int:
+        return self.result.token
+
+    def frames(self, rid: int, session: str) -> list[bytes]:
+        """The `result` reply to the request `rid` (this side's session name)."""
+        return wire.encode_reply(replace(self.result, rid=rid, session=session))
 
 
-def _local(done: StepDone, out: str) -> StepOutcome:
-    return StepOutcome(done.pos, done.n, out, done.length, done.max_tokens, done.hidden, done.logits, done.token)
-
-
-def _relayed(done: StepDone, req: wire.Step, reply: Reply) -> StepOutcome:
-    """The next stage's `result` (its shape checked on arrival) with this session's length."""
-    header, frames = reply
-    data, common = frames[0], (req.pos, req.n, req.out, done.length, done.max_tokens)
-    if req.out == "hidden":
-        dtype = wire.DTYPES[str(header.get("dtype", "f32"))]
-        return StepOutcome(*common, hidden=np.frombuffer(data, dtype).reshape(req.n, -1))
-    if req.out == "logits":
-        return StepOutcome(*common, logits=np.frombuffer(data, "<f4"))
-    return StepOutcome(*common, token=int(np.frombuffer(data, "<i4")[0]))
+def _local(done: StepDone, req: wire.Step) -> StepOutcome:
+    data: npt.NDArray[Any]
+    if done.hidden is not None:
+        data = done.hidden
+    elif done.logits is not None:
+        data = done.logits
+    else:
+        data = np.array([done.token], np.int32)
+    result = wire.Result(req.rid, req.session, req.pos, req.n, req.out, data, req.out_dtype)
+    return StepOutcome(result, done.length, done.max_tokens)
 
 
 class SessionGate:
@@ -161,10 +151,10 @@ class StepRunner:
             return done
         assert isinstance(done, StepDone)
         if self.forwarder is None:
-            return _local(done, req.out)
+            return _local(done, req)
         assert done.hidden is not None
         reply = await self.forwarder.step(peer, req, done.hidden)
         if isinstance(reply, Fault | BrokenRoute):
             await self.engine.cleanup(Rollback(peer, req.session, req.pos))
             return reply
-        return _relayed(done, req, reply)
+        return StepOutcome(reply, done.length, done.max_tokens)  # its shape was checked on arrival

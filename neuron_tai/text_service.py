@@ -56,7 +56,7 @@ class TextService:
             message = f"the text is {len(ids)} tokens, the limit is {self.max_tokens}"
             self.outbox.error(peer, req.rid, Fault(ErrorCode.TOO_LARGE, message))
             return
-        self.outbox.send(peer, wire.encode({"op": "tokens", "rid": req.rid, "n": len(ids)}, ids.tobytes()))
+        self.outbox.send(peer, wire.encode_reply(wire.Tokens(req.rid, ids)))
 
     async def _detokenize(self, peer: bytes, req: wire.Detokenize) -> None:
         def detokenize() -> str:
@@ -67,4 +67,4 @@ class TextService:
         except Fault as fault:
             self.outbox.error(peer, req.rid, fault)
             return
-        self.outbox.send(peer, wire.encode({"op": "text", "rid": req.rid, "text": text}))
+        self.outbox.send(peer, wire.encode_reply(wire.Text(req.rid, text)))

@@ -17,3 +17,5 @@ class Stage:
     model: str
     max_step_tokens: int
     eog_tokens: tuple[int, ...]  # end-of-generation token ids (at most 16)
+    # What replicas of one layer range compare (neuron_tai.shard_fingerprint); "" when not told.
+    fingerprint: str = ""

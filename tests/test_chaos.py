@@ -12,6 +12,7 @@ import random
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -85,7 +86,7 @@ def test_out_of_range_steps_never_run() -> None:
         assert got.pos > 0 or got.n > 512 or got.session != "oor" or not in_vocab, got
 
 
-def _reply_outcome(sent: dict[str, object], messages: list[list[bytes]]) -> str:
+def _reply_outcome(sent: dict[str, Any], messages: list[list[bytes]]) -> str:
     """What a head makes of the fake stage's answer: `downstream`, or what it would relay."""
     for frames in messages:
         try:
@@ -95,11 +96,19 @@ def _reply_outcome(sent: dict[str, object], messages: list[list[bytes]]) -> str:
         if header.get("rid") != sent["rid"] or type(header.get("rid")) is not int:
             continue  # unmatched: dropped
         try:
-            checked, _ = wire.check_reply(sent, header, payload, N_EMBD, N_VOCAB)
+            checked = wire.answer_to(_typed(sent), header, payload, N_EMBD, N_VOCAB)
         except wire.WireError as exc:
             return str(exc.code)
-        return str(ErrorCode.parse(checked["code"])) if checked.get("op") == "error" else str(checked.get("op"))
+        return str(checked.code) if isinstance(checked, wire.ErrorReply) else wire.REPLY_OPS[type(checked)]
     return "downstream"  # no reply it can match: the head's --downstream-timeout answers `downstream`
+
+
+def _typed(sent: dict[str, Any]) -> wire.Request:
+    """The request a head forwarded, as the head holds it (only what the reply check reads)."""
+    if sent["op"] == "open":
+        return wire.Open(int(sent["rid"]), str(sent["session"]), int(sent["max_tokens"]))
+    return wire.Step(int(sent["rid"]), str(sent["session"]), sent["pos"], sent["n"], "hidden", sent["out"],
+                     sent["out_dtype"])  # fmt: skip
 
 
 @pytest.mark.parametrize("out", ["token", "logits"])

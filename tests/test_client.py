@@ -128,7 +128,7 @@ def test_a_real_node_is_found_and_answers_typed_replies(tiny_model: Path) -> Non
     async def talk() -> None:
         async with open_client(node.address, timeout_s=30) as client:
             ids = await client.tokenize("the cat sat")
-            opened = await client.open_session("s", len(ids) + 4)
+            opened = await client.open("s", len(ids) + 4)
             assert isinstance(opened, wire.Opened) and opened.stage.first and opened.stage.last
             assert opened.kv_reserved >= len(ids) + 4 and opened.lease_ms
             step = await client.step("s", 0, tokens=ids)

@@ -62,7 +62,7 @@ async def node_text(node: str, prompt: str | list[int], max_new: int) -> tuple[s
         ids = prompt if isinstance(prompt, list) else await client.tokenize(prompt)
         session = uuid.uuid4().hex
         opened = await client.open(session, len(ids) + max_new)
-        eog = set(opened["stage"]["eog_tokens"])
+        eog = set(opened.stage.eog_tokens)
         out: list[int] = []
         async for reply in client.generate_tokens(session, 0, ids, max_new):
             if isinstance(reply, Generated):
@@ -175,7 +175,7 @@ async def test_stop_strings_cut_the_text_also_across_a_token_boundary(node: str)
         out: list[int] = []
         async for reply in client.generate_tokens(session, 0, ids, 24):
             if isinstance(reply, Generated):
-                out += [t for t in reply.tokens if t not in opened["stage"]["eog_tokens"]]
+                out += [t for t in reply.tokens if t not in opened.stage.eog_tokens]
         await client.close(session)
         texts = [await client.detokenize(out[:k]) for k in range(len(out) + 1)]
     full = texts[-1]

@@ -140,7 +140,7 @@ async def test_end_of_generation_token_ends_the_run(tiny_model: Path, model_dir:
     model = write_tiny_model(model_dir / "tiny-llama-eos.gguf", TinySpec(eos_token=eos))
     async with node_and_client(model) as (_node, c):
         opened = await c.open("s", 40)
-        assert eos in opened["stage"]["eog_tokens"]
+        assert eos in opened.stage.eog_tokens
         assert await generate(c, "s", 0, IDS, 12) == Done("eog", k + 1, len(IDS) + k, expected[: k + 1])
         assert await generate(c, "s", 0, IDS, 12, ignore_eog=True, stream=False) == Done(
             "length", 12, len(IDS) + 11, expected

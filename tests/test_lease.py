@@ -16,7 +16,6 @@ from neuron_tai.client import Client, NodeError, open_client
 from neuron_tai.downstream import NextStage
 from tests.nodes import NodeProcess, running
 from transport import wire
-from transport.wire import encode
 
 LEASE = ["--lease", "1"]
 SAMPLING = {"temperature": 1.5, "top_k": 0, "top_p": 1.0, "seed": 7}
@@ -150,11 +149,11 @@ async def test_the_link_never_replays_old_work_and_keeps_its_identity() -> None:
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(link.run)
-            assert await link.request({"op": "open", "session": "old", "max_tokens": 8}) is None
+            assert await link.call(wire.Open(0, "old", 8)) is None
             # Queued while down: held back, then dropped, never sent late.
             assert link.core.send_nowait(wire.Open(0, "older", 8))
             # And straight into the socket: ZMQ_IMMEDIATE refuses it instead of keeping it for later.
-            assert not link.sock.try_send(encode({"op": "open", "rid": 0, "session": "oldest", "max_tokens": 8}))
+            assert not link.sock.try_send(wire.encode_request(wire.Open(0, "oldest", 8)))
             seen = []
             for _ in range(2):
                 router = ctx.socket(zmq.ROUTER)
@@ -181,9 +180,9 @@ async def test_the_link_never_replays_old_work_and_keeps_its_identity() -> None:
                     with trio.fail_after(20):
                         while not link.connected:
                             await trio.sleep(0.01)
-                        reply = await link.request({"op": "ping"})
+                        reply = await link.call(wire.Ping(0))
                         await answered.wait()
-                    assert reply is not None and reply[0]["op"] == "pong"
+                    assert isinstance(reply, wire.Pong)
                 finally:
                     router.close()
                 with trio.fail_after(20):

@@ -22,6 +22,7 @@ from neuron_tai.config import NodeConfig
 from neuron_tai.node import Node, open_node
 from tests.held import held_decodes, wait_until
 from tests.nodes import NodeProcess, running
+from transport import wire
 
 
 def engine_config(model: Path, **kw: Any) -> EngineConfig:
@@ -75,7 +76,7 @@ def test_three_stage_chain_is_bit_identical_to_one_node(
                     b.tobytes() for b in await logits_run(chain, "s", ids, 16)
                 ]
             opened = await chain.open("x", 10)
-            assert opened["stage"]["first"] and opened["stage"]["last"] and opened["stage"]["layers"] == [0, 4]
+            assert opened.stage.first and opened.stage.last and opened.stage.layers == (0, 4)
             text_one = "".join([p async for p in one.generate("the cat", 8)])
             text_chain = "".join([p async for p in chain.generate("the cat", 8)])
             assert text_one == text_chain
@@ -350,8 +351,12 @@ async def test_text_waiting_for_the_tokenizer_is_bounded(tiny_model: Path) -> No
 
         async def tokenize() -> None:
             try:
-                _, frames = await c.request({"op": "tokenize", "text": text}, retry=False)
-                answers.append("tokens" if len(frames[0]) > len(text) else "short")
+                reply = await c.call(wire.Tokenize(0, text), retry=False)
+                if isinstance(reply, wire.ErrorReply):
+                    raise reply.fault()
+                answers.append(
+                    "tokens" if isinstance(reply, wire.Tokens) and len(reply.tokens) * 4 > len(text) else "short"
+                )
             except NodeError as exc:
                 answers.append(exc.code)
 

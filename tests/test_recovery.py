@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import signal
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -79,7 +80,7 @@ def test_killing_a_tail_replica_mid_generation_loses_no_token(tiny_quant_shards3
             assert stats["recoveries_total"] >= 1 and stats["recoveries_failed_total"] == 0
             assert stats["replayed_tokens_total"] > 0
 
-    async def mid_stats() -> dict[str, object]:
+    async def mid_stats() -> dict[str, Any]:
         async with open_client(nodes[-2].address, timeout_s=10) as mid:
             return await mid.stats()
 

@@ -10,21 +10,22 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from protocol.errors import ErrorCode
+from protocol.errors import ErrorCode, Fault
 from transport.wire import (
     Close,
     Detokenize,
+    ErrorReply,
     Open,
     Ping,
+    Request,
+    Result,
     Stats,
     Step,
     Tokenize,
     WireError,
-    check_reply,
+    answer_to,
     decode_request,
-    encode,
-    encode_error,
-    hidden_frame,
+    encode_reply,
     parse_reply,
     request_limits,
     show,
@@ -102,13 +103,16 @@ def test_bad_requests_are_refused_with_code_and_rid(msg: list[bytes], code: str,
 
 
 def test_replies_encode() -> None:
-    header, payload = parse_reply(encode_error(3, ErrorCode.BUSY, "full"))
+    header, payload = parse_reply(encode_reply(ErrorReply.of(Fault(ErrorCode.BUSY, "full", 100), rid=3)))
     assert header == {"v": 1, "op": "error", "rid": 3, "code": "busy", "message": "full", "retry_after_ms": 100}
-    header, _ = parse_reply(encode_error(None, ErrorCode.BAD_REQUEST, "x"))
+    header, _ = parse_reply(encode_reply(ErrorReply.of(Fault(ErrorCode.BAD_REQUEST, "x"))))
     assert header["rid"] is None and "retry_after_ms" not in header
+    failed = ErrorReply.of(Fault(ErrorCode.DOWNSTREAM, "gone"), rid=4, session="s", length=9)
+    header, _ = parse_reply(encode_reply(failed))
+    assert header["session"] == "s" and header["length"] == 9  # a failed generate says where it stands
     h = np.ones((2, 3), np.float32)
-    header, payload = parse_reply(encode({"op": "result", "rid": 1}, hidden_frame(h, "f16")))
-    assert np.frombuffer(payload[0], "<f2").tolist() == [1.0] * 6
+    header, payload = parse_reply(encode_reply(Result(1, "s", 0, 2, "hidden", h, "f16")))
+    assert header["dtype"] == "f16" and np.frombuffer(payload[0], "<f2").tolist() == [1.0] * 6
 
 
 @settings(max_examples=400, deadline=None)
@@ -281,6 +285,20 @@ STAGE = {"first": False, "last": True, "layers": [2, 4], "max_step_tokens": 64, 
 SENT_STEP = {"op": "step", "session": "f", "pos": 3, "n": 2, "input": "hidden", "dtype": "f32", "out": "hidden",
              "out_dtype": "f16"}  # fmt: skip
 HIDDEN_F16 = b"\0" * (2 * N_EMBD * 2)
+
+
+def check_reply(
+    sent: dict[str, Any], header: dict[str, Any], payload: list[bytes], n_embd: int, n_vocab: int
+) -> tuple[dict[str, Any], list[bytes]]:
+    """A next stage's reply (a header map, as a peer may send anything) checked against what was sent."""
+    request: Request
+    if sent["op"] == "open":
+        request = Open(0, "s", 16)
+    elif sent["op"] == "close":
+        request = Close(0, "s")
+    else:
+        request = Step(0, "s", sent["pos"], sent["n"], sent["input"], sent["out"], sent["out_dtype"])
+    return parse_reply(encode_reply(answer_to(request, {"rid": 0, **header}, payload, n_embd, n_vocab)))
 
 
 def test_good_replies_pass_the_check() -> None:

@@ -27,7 +27,6 @@ from transport.wire_header import (
     request_limits,
     show,
 )
-from transport.wire_legacy import check_reply, encode, encode_error, hidden_frame, reply_header, request_from_header
 from transport.wire_replies import (
     REPLY_OPS,
     Cancelled,
@@ -46,6 +45,7 @@ from transport.wire_replies import (
     encode_reply,
     parse_reply,
     reply_from,
+    stage_map,
 )
 from transport.wire_requests import (
     MAX_SESSION_BYTES,
@@ -109,22 +109,17 @@ __all__ = [
     "Tokens",
     "WireError",
     "answer_to",
-    "check_reply",
     "decode_reply",
     "decode_request",
-    "encode",
-    "encode_error",
     "encode_reply",
     "encode_request",
     "hidden_bytes",
-    "hidden_frame",
     "op_of",
     "parse_header",
     "parse_reply",
     "reply_from",
-    "reply_header",
-    "request_from_header",
     "request_limits",
     "scan_rid",
     "show",
+    "stage_map",
 ]

@@ -119,9 +119,12 @@ class ErrorReply:
     message: str
     retry_after_ms: int | None = None
     session: str | None = None  # for the replies of a `generate`, which all carry it
+    length: int | None = None  # a `generate` that failed: where the session stands
 
     @classmethod
-    def of(cls, fault: Fault, rid: int | None = None, session: str | None = None) -> ErrorReply:
+    def of(
+        cls, fault: Fault, rid: int | None = None, session: str | None = None, length: int | None = None
+    ) -> ErrorReply:
         """The reply to a refusal; `rid` defaults to the one the wire read."""
         retry = fault.retry_after_ms if fault.retry_after_ms is not None else DEFAULT_RETRY_MS
         return cls(
@@ -130,6 +133,7 @@ class ErrorReply:
             fault.message,
             retry if fault.code.retryable else None,
             session,
+            length,
         )
 
     def fault(self) -> Fault:
@@ -166,7 +170,7 @@ def stage_map(s: Stage) -> dict[str, Any]:
         "model": s.model,
         "max_step_tokens": s.max_step_tokens,
         "eog_tokens": list(s.eog_tokens),
-    }
+    } | ({"fingerprint": s.fingerprint} if s.fingerprint else {})
 
 
 def _result_message(r: Result) -> tuple[dict[str, Any], list[bytes]]:
@@ -184,6 +188,8 @@ def _error_message(r: ErrorReply) -> tuple[dict[str, Any], list[bytes]]:
         keys["retry_after_ms"] = r.retry_after_ms
     if r.session is not None:
         keys["session"] = r.session
+    if r.length is not None:
+        keys["length"] = r.length
     return keys, []
 
 
@@ -243,7 +249,9 @@ def _stage(h: dict[str, Any]) -> Stage:
     n_embd = read_int(s, "n_embd", None, lo=0, default=0, code=_DOWN)
     n_vocab = read_int(s, "n_vocab", None, lo=0, default=0, code=_DOWN)
     model = read_str(s, "model", None, default="", code=_DOWN)
-    return Stage(first, s["last"], (layers[0], layers[1]), n_embd, n_vocab, model, min(max_step, MAX_STEP), tuple(eog))
+    fingerprint = read_str(s, "fingerprint", None, default="", code=_DOWN)
+    layers_ = (layers[0], layers[1])
+    return Stage(first, s["last"], layers_, n_embd, n_vocab, model, min(max_step, MAX_STEP), tuple(eog), fingerprint)
 
 
 def _opened(h: dict[str, Any], rid: int) -> Opened:
@@ -293,8 +301,9 @@ def _error(h: dict[str, Any], payload: list[bytes]) -> ErrorReply:
     retry = h.get("retry_after_ms")
     if retry is not None and not (is_int(retry) and 0 <= retry <= MAX_RETRY_MS):
         raise Fault(_DOWN, f"'retry_after_ms' must be an integer in [0, {MAX_RETRY_MS}], got {show(retry)}")
-    session = h.get("session")
-    return ErrorReply(rid, ErrorCode.parse(code), message, retry, session if isinstance(session, str) else None)
+    session, length = h.get("session"), h.get("length")
+    length = length if is_int(length) and 0 <= length < MAX_RID else None
+    return ErrorReply(rid, ErrorCode.parse(code), message, retry, session if isinstance(session, str) else None, length)
 
 
 def _keyed(h: dict[str, Any], payload: list[bytes], rid: int, op: str) -> Reply:
