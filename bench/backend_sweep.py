@@ -30,9 +30,9 @@ from bench.common import (
     write_evidence,
 )
 from engine.backend import ContextConfig, Segment, StageBackend
-from engine.local_chain import LocalChain
 from engine.messages import Output
 from neuron_tai.shard import write_stages
+from testkit.local_chain import LocalChain
 
 COLUMNS = ["concurrency", "backend_tok_s", "bare_tok_s", "ratio", "outside_decode_share", "tokens_equal_bare"]
 CONFIG = ContextConfig(n_seq_max=8, n_ctx=4096, n_batch=512, n_ubatch=512, n_threads=2)

@@ -65,7 +65,7 @@ from bench.rss import MemoryTrack
 from bench.workload import CORPUS, Request, make_requests
 from neuron_tai.client import open_client
 from neuron_tai.shard import write_stages
-from neuron_tai.testmodel import TinySpec, vocabulary
+from testkit.models import TinySpec, vocabulary
 
 LEASE_MARGIN_S = 2.0  # past one lease, before `stats` is read: the node's lease timer and the chain's closes
 MEMORY_PERIOD_S = 0.5

@@ -41,7 +41,7 @@ PROMPT_TEXTS = [
 
 def tiny_model(directory: Path | None = None) -> Path:
     """The test suite's tiny model (`tiny-llama.gguf`), written once into `directory` (WORK/tiny)."""
-    from neuron_tai.testmodel import write_tiny_model  # noqa: PLC0415 - only quick runs need it
+    from testkit.models import write_tiny_model  # noqa: PLC0415 - only quick runs need it
 
     path = (directory or WORK / "tiny") / "tiny-llama.gguf"
     if not path.exists():

@@ -9,7 +9,7 @@ import pytest
 
 from engine.backend import ContextConfig, StageBackend
 from neuron_tai.shard import stage_bounds, write_stages
-from neuron_tai.testmodel import TinySpec, write_tiny_model
+from testkit.models import TinySpec, write_tiny_model
 
 TINY_GEMMA = TinySpec(arch="gemma3", n_layer=6, sliding_window=4, seed=99)
 # Q4_K_M as llama.cpp's quantizer mixes it (Q4_K matrices, Q6_K output and some attn_v and
