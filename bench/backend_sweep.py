@@ -20,8 +20,8 @@ import numpy as np
 from bench.common import (
     WORK,
     BareLoop,
+    bench_model,
     best_of,
-    gemma_path,
     interleaved,
     paired_ratio,
     prompt_tokens,
@@ -98,7 +98,7 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=5, help="interleaved repetitions (best of each is kept)")
     args = parser.parse_args()
 
-    model = gemma_path()
+    model = bench_model(quick=False)
     backend = StageBackend(model, CONFIG)
     bare = BareLoop(model, CONFIG)
     results = []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import platform
 import shlex
 import sys
@@ -59,6 +60,32 @@ def gemma_path() -> Path:
         print(f"assembling {target.name} ...", flush=True)
         pkg.assemble(target)
     return Path(target)
+
+
+# `python -m bench --model M` hands M to every suite it runs through this variable.
+MODEL_ENV = "NEURON_TAI_BENCH_MODEL"
+GEMMA = "gemma-3-270m"
+
+
+def resolve_model(name: str) -> Path:
+    """A GGUF path, `gemma-3-270m` (the bench extra's model) or a real-model shape (`llama-3.2-1b`, ...)."""
+    from testkit.shapes import SHAPES, shape_path  # noqa: PLC0415 - writing a shape needs llama.cpp's quantizer
+
+    if name == GEMMA:
+        return gemma_path()
+    if name in SHAPES:
+        return shape_path(name)
+    path = Path(name).expanduser()
+    if not path.is_file():
+        raise SystemExit(f"--model {name}: no such file, and not one of {GEMMA}, {', '.join(SHAPES)}")
+    return path.resolve()
+
+
+def bench_model(quick: bool, directory: Path | None = None) -> Path:
+    """The model a suite measures: the one named by `--model`, else the tiny model (quick) or gemma-3-270m."""
+    if chosen := os.environ.get(MODEL_ENV):
+        return resolve_model(chosen)
+    return tiny_model(directory) if quick else gemma_path()
 
 
 def shown(text: str | Path) -> str:

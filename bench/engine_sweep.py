@@ -25,8 +25,8 @@ import trio
 
 from bench.common import (
     BareLoop,
+    bench_model,
     best_of,
-    gemma_path,
     interleaved,
     paired_ratio,
     prompt_tokens,
@@ -210,7 +210,7 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--max-prefill", type=int, default=64, help="prefill tokens per iteration")
     args = parser.parse_args()
-    model = gemma_path()
+    model = bench_model(quick=False)
     cfg = EngineConfig(
         model=model, max_sessions=8, kv_cells=4096, n_batch=512, n_ubatch=512, n_threads=2,
         max_prefill_tokens=args.max_prefill, max_step_tokens=512,

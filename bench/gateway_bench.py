@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 import trio
 
-from bench.common import WORK, command_line, gemma_path, shown, tiny_model
+from bench.common import WORK, bench_model, command_line, shown
 from bench.latency import percentile_ms
 from bench.llama_server import cached_binary, ensure_llama_server
 from bench.processes import Processes, free_ports, node_ready, open_processes
@@ -116,7 +116,7 @@ async def closed_loop(url: str, model: str, requests: list[Request], concurrency
 
 
 def model_for(quick: bool) -> Path:
-    return tiny_model() if quick else gemma_path()
+    return bench_model(quick)
 
 
 def start(procs: Processes, model: Path, plan: Plan, quick: bool) -> tuple[dict[str, str], str]:

@@ -24,8 +24,8 @@ import trio
 from bench.common import (
     PROMPT_TEXTS,
     WORK,
+    bench_model,
     best_of,
-    gemma_path,
     interleaved,
     paired_ratio,
     shown,
@@ -67,7 +67,7 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--concurrency", type=int, default=8)
     args = parser.parse_args()
-    model = gemma_path()
+    model = bench_model(quick=False)
     shards = write_stages(model, WORK / "shards" / "chain2", [(0, 9), (9, 18)])
     ports = iter(free_ports(6))
     addresses: dict[tuple[str, int], str] = {}

@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from bench.common import WORK, command_line, gemma_path, shown, table, tiny_model
+from bench.common import WORK, bench_model, command_line, shown, table
 from bench.interrupts import run_main
 from bench.netns import Topology, open_topology
 from bench.processes import Processes, node_ready, open_processes
@@ -80,7 +80,7 @@ QUICK = Plan(mode="quick", requests=8, max_new=8, max_prompt=64, concurrencies=(
 
 def models(plan: Plan, work: Path) -> tuple[Path, list[Path]]:
     """The model and its two halves (head, tail)."""
-    model = tiny_model(work) if plan.mode == "quick" else gemma_path()
+    model = bench_model(plan.mode == "quick", work)
     return model, write_stages(model, work / "shards", weight_balanced_bounds(model, 2))
 
 

@@ -22,8 +22,8 @@ import trio
 
 from bench.common import (
     WORK,
+    bench_model,
     best_of,
-    gemma_path,
     interleaved,
     paired_ratio,
     prompt_tokens,
@@ -90,7 +90,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
-    model = gemma_path()
+    model = bench_model(quick=False)
     shards = write_stages(model, WORK / "shards" / "chain2", [(0, 9), (9, 18)])
     single, tail, head = (f"tcp://127.0.0.1:{port}" for port in free_ports(3))
     nodes = [("sweep-single", model, single, 2, []), ("sweep-chain2-tail", shards[1], tail, 1, []),

@@ -47,13 +47,32 @@ def render(r: dict[str, Any]) -> str:
              _corruption(r),
              _default_mode(r), _admission(r), _telemetry(r), _pipeline(r), _gateway(r), _compatibility(r),
              _limitations(r, tok), _next_step(r)]  # fmt: skip
-    return "\n\n".join(p for p in parts if p) + "\n"
+    return named_tables("\n\n".join(p for p in parts if p) + "\n", caption(r))
+
+
+def caption(r: dict[str, Any]) -> str:
+    """What every table of the report measured: the model file and the workload."""
+    return f"Model `{r['model']}`, {r.get('workload_name', 'prompt-heavy')} workload:"
+
+
+def named_tables(markdown: str, text: str) -> str:
+    """`text` on its own line above every table, so a table copied out of the report still names its model."""
+    out: list[str] = []
+    for line in markdown.split("\n"):
+        if line.startswith("|") and not (out and out[-1].startswith("|")):
+            if out and out[-1]:
+                out.append("")
+            out += [text, ""]
+        out.append(line)
+    return "\n".join(out)
 
 
 def _head(r: dict[str, Any], quick: bool) -> str:
     plan = r["plan"]
     cmd = "just bench quick" if quick else "just bench"
     prompts = [w["prompt_tokens"] for w in r["workload"]]
+    mixed = r.get("workload_name", "prompt-heavy") == "prompt-heavy"
+    mix = " (a third short, medium and long, interleaved)" if mixed else ""
     return f"""# DGR-012: concurrency, saturation, corruption proof and peers
 
 Produced by one run of `{cmd}` (on a fresh machine: `python3 -m pip install -q rust-just && {cmd}`),
@@ -80,12 +99,12 @@ Every figure below is read from `bench.json` of that run. Nothing here is typed 
 
 ## Workload
 
-{len(prompts)} requests with seeded prompts (seed {plan["seed"]}) of mixed lengths: {min(prompts)} to
-{max(prompts)} tokens (a third short, medium and long, interleaved), {plan["max_new"]} generated tokens
-each, greedy, end-of-text ignored so every system generates exactly the same number of
-tokens. At concurrency c, c clients each send their next request as soon as the last one
-is answered (closed loop) until all {len(prompts)} are done; aggregate tok/s = generated tokens / wall
-time, prefill included. {plan["reps"]} repetition(s) per system and concurrency, in alternating order;
+{len(prompts)} requests, {r.get("workload_name", "prompt-heavy")}, with seeded prompts (seed {plan["seed"]}) of
+{min(prompts)} to {max(prompts)} tokens{mix}, {plan["max_new"]} generated tokens each, greedy,
+end-of-text ignored so every system generates exactly the same number of tokens. At concurrency c,
+c clients each send their next request as soon as the last one is answered (closed loop) until
+all {len(prompts)} are done; aggregate tok/s = generated tokens / wall time, prefill included.
+{plan["reps"]} repetition(s) per system and concurrency, in alternating order;
 tables show the mean. Nodes: `--max-sessions 8 --max-waiting 8 --kv-cells {plan["kv_cells"]}`, at
 concurrency 16 eight sessions wait for room (their wait counts in TTFT). Single node and
 `llama-server` use 2 threads; each chain stage 1 thread (2 cores in all). `{NODE_FAST}`
