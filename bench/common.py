@@ -7,6 +7,7 @@ import logging
 import os
 import platform
 import shlex
+import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -105,13 +106,28 @@ def command_line() -> str:
     return " ".join(shlex.quote(shown(a)) for a in [Path(argv[0]).name, *argv[1:]])
 
 
-def write_evidence(name: str, payload: dict[str, Any]) -> Path:
-    EVIDENCE.mkdir(exist_ok=True)
-    path = EVIDENCE / name
+def commit() -> str:
+    """The checkout's commit, `+dirty` when it has uncommitted changes: what the evidence measured."""
+
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False)
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def write_evidence(name: str, payload: dict[str, Any], directory: Path = EVIDENCE) -> Path:
+    """`directory/name`: the payload after what makes it evidence (command, date, machine, CPU, commit)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    if (chosen := os.environ.get(MODEL_ENV)) and directory == EVIDENCE:  # beside the default model's, not over it
+        name = f"{Path(name).stem}-{Path(chosen).name.removesuffix('.gguf')}{Path(name).suffix}"
+    path = directory / name
     cpu = cpu_features()
     meta = {
         "command": command_line(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "commit": commit(),
         "machine": f"{platform.machine()}, {cpu.model}, python {platform.python_version()}",
         "cpu": cpu.summary(),
         "llama_cpp_python": lc.__version__,

@@ -33,7 +33,18 @@ from bench import plots, report_markdown
 from bench.admission import burst
 from bench.aggregate import saturation
 from bench.bare_waves import run_waves
-from bench.common import EVIDENCE, WORK, BareLoop, bench_model, command_line, interleaved, resolve_model, shown
+from bench.ceiling import ceiling_for
+from bench.common import (
+    EVIDENCE,
+    WORK,
+    BareLoop,
+    bench_model,
+    command_line,
+    commit,
+    interleaved,
+    resolve_model,
+    shown,
+)
 from bench.faults import ENV, Faults
 from bench.faults import SIGNAL as FAULT_SIGNAL
 from bench.interrupts import run_main, run_until_interrupted
@@ -330,10 +341,15 @@ async def sweep(
 
 
 def plan_for(base: Plan, workload: str, model: Path, out: Path | None, *, named: bool) -> Plan:
-    """The plan for one model and workload: a named model's or another workload's report goes beside the default."""
+    """The plan for one model and workload: a named model's or another workload's report goes beside the default.
+
+    Those run one repetition: `just bench` runs four reports, and repetitions go before systems.
+    """
     plan = replace(base, workload=workload)
     if workload != "prompt" and base.mode == "full":
         plan = replace(plan, max_new=WORKLOADS[workload].max_new)
+    if named or workload != "prompt":
+        plan = replace(plan, reps=1)
     if out is not None:
         return replace(plan, out_dir=out)
     if named or workload != "prompt":
@@ -398,6 +414,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, help="report directory (default: evidence/DGR-012, quick: .bench/)")
     parser.add_argument("--model", help="a GGUF file, gemma-3-270m or a model shape (default: gemma, quick: tiny)")
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="prompt", help="prompt- or decode-heavy")
+    parser.add_argument("--reps", type=int, help="repetitions per system and concurrency (default: the plan's)")
     parser.add_argument(
         "--render-only", type=Path, metavar="DIR", help="redraw DIR's plots and README from its bench.json"
     )
@@ -410,11 +427,13 @@ def main() -> int:
     quick = args.mode == "quick"
     model = resolve_model(args.model) if args.model else bench_model(quick)
     plan = plan_for(QUICK if quick else FULL, args.workload, model, args.out, named=args.model is not None)
+    plan = replace(plan, reps=args.reps or plan.reps)
     faults = Faults.from_env()
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     say(f"bench {plan.mode}: model {shown(model)}, {WORKLOADS[plan.workload].name} workload")
     shards = shard_in_two(model)
     server = llama_server(plan)
+    ceiling = ceiling_for(model, pp=16, tg=plan.max_new, build=plan.build_server)  # alone on the machine
     with open_processes(WORK / "logs") as procs:
         nodes = start_all(procs, plan, model, shards, server, faults)
         payload = trio.run(run_until_interrupted, partial(run, plan, model, nodes, procs, faults))
@@ -424,7 +443,7 @@ def main() -> int:
               "plan": {k: shown(v) if isinstance(v, Path) else v for k, v in asdict(plan).items()},
               "model": model.name, "workload_name": WORKLOADS[plan.workload].name,
               "chain2_shards": [s.name for s in shards], "llama_server": nodes.server_note,
-              "sessions_max": MAX_SESSIONS,
+              "sessions_max": MAX_SESSIONS, "commit": commit(), "ceiling": ceiling,
               **report_markdown.machine(), **payload}  # fmt: skip
     report["saturation"] = saturation(report["runs"])
     plan.out_dir.mkdir(parents=True, exist_ok=True)

@@ -43,7 +43,8 @@ def render(r: dict[str, Any]) -> str:
     tok = mean_by(r["runs"], "tok_s")
     systems = [s for s in ALL if s in tok]
     quick = plan["mode"] == "quick"
-    parts = [_head(r, quick), _systems(r), _throughput(r, tok, systems, cs), _latency(r, cs), _engine_use(r, cs),
+    parts = [_head(r, quick), _systems(r), _throughput(r, tok, systems, cs), _ceiling(r, tok, systems, cs),
+             _latency(r, cs), _engine_use(r, cs),
              _corruption(r),
              _default_mode(r), _admission(r), _telemetry(r), _pipeline(r), _gateway(r), _compatibility(r),
              _limitations(r, tok), _next_step(r)]  # fmt: skip
@@ -198,6 +199,25 @@ def _throughput(r: dict[str, Any], tok: dict[str, dict[int, float]], systems: li
             sat_rows.append([s, f"c={at}", f"{sat['best_tok_s']:.1f}", gains])
     out.append(_table(["system", "saturates at", "best tok/s", "gain per doubling"], sat_rows))
     return "\n".join(out)
+
+
+def _ceiling(r: dict[str, Any], tok: dict[str, dict[int, float]], systems: list[str], cs: list[int]) -> str:
+    """Every system as a fraction of llama-batched-bench's decode speed at B = concurrency."""
+    ceiling = r.get("ceiling")
+    if not ceiling:
+        return "## The physical ceiling\n\nNot measured: llama-batched-bench is not built (`just bench` builds it)."
+    s_tg = {int(b): v for b, v in ceiling["s_tg"].items()}
+    rows: list[list[Any]] = [["llama-batched-bench S_TG (tok/s)", *[s_tg.get(c) for c in cs]]]
+    for s in systems:
+        pts = tok[s]
+        flat = next(iter(pts.values())) if len(pts) == 1 else None
+        rows.append([f"{s} / ceiling", *[_ratio(pts.get(c, flat), s_tg.get(c)) for c in cs]])
+    return "\n".join(["## The physical ceiling: llama.cpp's own batched decode", "",
+                      f"`{ceiling['command']}`: B sequences of {ceiling['pp']} prompt tokens, {ceiling['tg']} "
+                      "generated each, decoded in lockstep with no server, sampling or Python. S_TG is generation "
+                      "speed without prefill; the systems' tok/s include prefill, so 1.0 is out of reach by that "
+                      "much. B = the concurrency.", "",
+                      _table(["", *[f"c={c}" for c in cs]], rows)])  # fmt: skip
 
 
 def _ratio(a: float | None, b: float | None) -> str:
