@@ -59,7 +59,7 @@ from bench.chaos_drivers import (
 from bench.common import WORK, command_line, shown, tiny_model, write_evidence
 from bench.hostile import Target
 from bench.interrupts import run_main, run_until_interrupted
-from bench.processes import Processes, free_ports, node_ready, open_processes
+from bench.processes import Processes, free_ports, node_ready, open_processes, serve_command
 from bench.progress import say
 from bench.rss import MemoryTrack
 from bench.workload import CORPUS, Request, make_requests
@@ -124,9 +124,8 @@ ROLE_TARGETS = {"garbage": ATTACKED, "fields": ATTACKED, "flood": ATTACKED, "hug
 
 
 def serve(model: Path, address: str, plan: Plan, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "neuron_tai.cli", "serve", str(model), "--bind", address, "--threads", "1",
-            "--lease", f"{plan.lease_s:g}", "--max-sessions", str(plan.max_sessions), "--log-level", "warning",
-            *extra]  # fmt: skip
+    flags = ["--lease", f"{plan.lease_s:g}", "--max-sessions", str(plan.max_sessions), *extra]
+    return serve_command(model, address, threads=1, flags=flags)
 
 
 class RestartedTail:

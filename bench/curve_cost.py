@@ -29,7 +29,7 @@ from pathlib import Path
 import trio
 
 from bench.common import PROMPT_TEXTS, WORK, bench_model, paired_ratio, table
-from bench.processes import Processes, free_ports, node_ready, open_processes
+from bench.processes import Processes, free_ports, node_ready, open_processes, serve_command
 from neuron_tai.client import Client, open_client
 from neuron_tai.security import create_key_pair
 from neuron_tai.shard import read_model_layers, stage_bounds, write_stages
@@ -67,9 +67,7 @@ class Keys:
 
 def start(procs: Processes, name: str, model: Path, threads: int, extra: list[str]) -> str:
     address = f"tcp://127.0.0.1:{free_ports(1)[0]}"
-    cmd = [sys.executable, "-m", "neuron_tai.cli", "serve", str(model), "--bind", address, "--threads", str(threads),
-           *SERVE, *extra]  # fmt: skip
-    procs.start(name, cmd, node_ready)
+    procs.start(name, serve_command(model, address, threads=threads, flags=[*SERVE, *extra]), node_ready)
     return address
 
 

@@ -29,7 +29,7 @@ import trio
 from bench.common import WORK, bench_model, command_line, shown
 from bench.latency import percentile_ms
 from bench.llama_server import cached_binary, ensure_llama_server
-from bench.processes import Processes, free_ports, node_ready, open_processes
+from bench.processes import Processes, free_ports, node_ready, open_processes, serve_command
 from bench.server_peer import healthy, server_command
 from bench.workload import CORPUS, Request, make_requests
 from engine.llama_handles import weight_placement
@@ -129,8 +129,7 @@ def start(procs: Processes, model: Path, plan: Plan, quick: bool) -> tuple[dict[
 
     def node(name: str, path: Path, port: int, threads: int, extra: tuple[str, ...] = ()) -> str:
         address = f"tcp://127.0.0.1:{port}"
-        cmd = [*cli, "serve", str(path), "--bind", address, "--threads", str(threads), *limits, *extra]
-        if not procs.start(name, cmd, node_ready):
+        if not procs.start(name, serve_command(path, address, threads=threads, flags=[*limits, *extra]), node_ready):
             raise RuntimeError(f"{name} did not start; see {shown(procs.log(name))}")
         return address
 

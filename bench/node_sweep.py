@@ -33,7 +33,7 @@ from bench.common import (
 )
 from bench.engine_sweep import run_sessions
 from bench.node_driver import closed_loop
-from bench.processes import free_ports, node_ready, open_processes
+from bench.processes import free_ports, node_ready, open_processes, serve_command
 from bench.workload import Request
 from engine.config import EngineConfig
 from engine.engine import open_engine
@@ -46,8 +46,7 @@ SERVE = ["--max-sessions", "8", "--kv-cells", "4096", "--n-batch", "512", "--max
 
 
 def node_command(model: Path, address: str, threads: int, extra: list[str]) -> list[str]:
-    return [sys.executable, "-m", "neuron_tai.cli", "serve", str(model), "--bind", address, "--threads", str(threads),
-            *SERVE, *extra]  # fmt: skip
+    return serve_command(model, address, threads=threads, flags=[*SERVE, *extra])
 
 
 async def over_zmq(address: str, prompts: list[list[int]], steps: int) -> float:

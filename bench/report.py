@@ -51,7 +51,7 @@ from bench.interrupts import run_main, run_until_interrupted
 from bench.latency import Trace, summarize
 from bench.llama_server import cached_binary, ensure_llama_server
 from bench.node_driver import closed_loop
-from bench.processes import Processes, free_ports, node_ready, open_processes, while_alive
+from bench.processes import Processes, free_ports, node_ready, open_processes, serve_command, while_alive
 from bench.progress import say
 from bench.proofs import default_mode, invariant_proof
 from bench.python_peer import PythonPeer, open_llama, run_serial
@@ -144,8 +144,7 @@ def start_all(
 
     def serve(name: str, path: Path, port: int, threads: int, extra: list[str]) -> str:
         address = f"tcp://127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "neuron_tai.cli", "serve", str(path), "--bind", address, "--threads",
-               str(threads), "--log-level", "warning", *extra]  # fmt: skip
+        cmd = serve_command(path, address, threads=threads, flags=extra)
         if procs.start(name, faults.command(name, cmd), node_ready):
             say(f"started {name}: {address}")
         return address
