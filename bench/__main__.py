@@ -9,8 +9,8 @@ and chaos. With `--quick`, `all` is the quick report on the tiny test model.
 
 `--model` takes a GGUF file, `gemma-3-270m` or a model shape (`llama-3.2-1b`, `llama-3.1-8b`;
 written once into ~/.cache/neuron-tai/shapes): every suite then measures that model, shards
-it itself, and its report goes beside the default one (evidence/DGR-012/MODEL-WORKLOAD/),
-named in every table. `--out DIR` puts every report and JSON that a suite lets place there.
+it itself, and its reports go beside the default one (evidence/DGR-012/report-MODEL/ and
+report-decode-MODEL/), named in every table. `--out DIR` puts every report and JSON that a suite lets place there.
 
     python -m bench all                       # just bench
     python -m bench all --quick               # just bench quick
@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.common import MODEL_ENV, WORK, shown
+from bench.common import EVIDENCE, MODEL_ENV, WORK, shown
 from bench.progress import say
 
 SHAPE = "llama-3.2-1b"  # the stand-in for the models users split, beside gemma-3-270m
@@ -75,7 +75,8 @@ SUITES = {
 # `just bench`: (suite, model; None = the suite's default, gemma-3-270m).
 FULL_SET = [("report", None), ("report-decode", None), ("report", SHAPE), ("report-decode", SHAPE),
             ("kernels", None), ("curve", None), ("stages", None), ("multihost", None), ("multihost", SHAPE),
-            ("gateway", None), ("pipeline", None), ("attach", None), ("chaos", None)]  # fmt: skip
+            ("gateway", None), ("pipeline", None), ("attach", None), ("pipeline", SHAPE), ("attach", SHAPE),
+            ("chaos", None)]  # fmt: skip
 QUICK_SET: list[tuple[str, str | None]] = [("report", None)]
 
 
@@ -94,12 +95,19 @@ def command(name: str, model: str | None, quick: bool, out: Path | None) -> list
     if model is not None and suite.module in ("bench.report", "bench.ceiling"):
         cmd += ["--model", model]
     tag = f"-{model_tag(model)}" if model else ""
-    if suite.out == "dir" and out is not None:
-        cmd += ["--out", str(out / f"{name}{tag}")]
+    reports = out or (WORK / "DGR-012-quick" if quick else EVIDENCE / "DGR-012")
+    if suite.out == "dir" and (out is not None or model or name != "report"):
+        cmd += ["--out", str(reports / f"{name}{tag}")]  # the default model's prompt-heavy report: DGR-012 itself
     elif suite.out == "file" and (out is not None or (model and not quick)):
-        cmd += ["--out", str((out or Path("evidence")) / f"{name}{tag}.json")]
+        cmd += ["--out", str((out or EVIDENCE) / f"{name}{tag}.json")]
     elif suite.default_out and not quick:
         cmd += ["--out", suite.default_out]
+    if model is not None and name in ("pipeline", "attach"):  # what this model's report and multihost wrote
+        report, files = reports / f"report{tag}", out or EVIDENCE
+        cmd += (["--report", str(report / "bench.json"), "--multihost", str(files / f"multihost{tag}.json")]
+                if name == "pipeline" else
+                ["--report-dir", str(report), "--pipeline", str(files / f"pipeline{tag}.json"),
+                 "--gateway", str(files / f"gateway{tag}.json")])  # fmt: skip
     return cmd
 
 
@@ -138,7 +146,7 @@ def main() -> int:
     if args.suites == ["all"]:
         plan = QUICK_SET if args.quick else FULL_SET
         if args.model:  # every part that measures a model, on the one the user named (chaos uses the tiny one)
-            skip = ("pipeline", "attach", "chaos")
+            skip = ("chaos",)
             plan = list(dict.fromkeys((name, args.model) for name, _ in plan if name not in skip))
     else:
         unknown = [s for s in args.suites if s not in SUITES]

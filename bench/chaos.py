@@ -456,7 +456,7 @@ def main() -> int:
     plan_row = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(plan).items()}
     found = chaos_report.failures(result, plan_row)
     payload = {"started": started, "seconds": round(time.monotonic() - wall, 1), "plan": plan_row,
-               "topology": {name: shown(a) for name, a in addresses.items()}, "model": "tiny-llama (testmodel)",
+               "topology": {name: shown(a) for name, a in addresses.items()}, "model": "tiny-llama (testkit.models)",
                "passed": not found, "failures": found, **result}  # fmt: skip
     print(chaos_report.console(result))
     if plan.mode == "full" and not args.out:

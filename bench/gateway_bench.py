@@ -20,6 +20,7 @@ import json
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ import trio
 from bench.common import WORK, bench_model, command_line, shown
 from bench.latency import percentile_ms
 from bench.llama_server import cached_binary, ensure_llama_server
+from bench.node_driver import run_closed_loop
 from bench.processes import Processes, free_ports, node_ready, open_processes, serve_command
 from bench.server_peer import healthy, server_command
 from bench.workload import CORPUS, Request, make_requests
@@ -84,22 +86,12 @@ async def complete(http: httpx.AsyncClient, url: str, model: str, req: Request) 
 
 
 async def closed_loop(url: str, model: str, requests: list[Request], concurrency: int) -> dict[str, Any]:
-    pending = iter(requests)
-    seen: list[Seen] = []
-
-    async def worker(http: httpx.AsyncClient) -> None:
-        for req in pending:
-            seen.append(await complete(http, url, model, req))
-
     # A new connection per request, for every system alike: llama-server's HTTP library closes a
     # kept-alive connection after a few requests, and a request racing that close fails.
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=600, limits=limits) as http:
-        start = time.perf_counter()
-        async with trio.open_nursery() as nursery:
-            for _ in range(concurrency):
-                nursery.start_soon(worker, http)
-        wall = time.perf_counter() - start
+        by_rid, wall = await run_closed_loop(requests, concurrency, partial(complete, http, url, model))
+    seen = list(by_rid.values())
     tokens = sum(s.tokens for s in seen)
     gaps = [b - a for s in seen for a, b in zip(s.chunks, s.chunks[1:], strict=False)]
     return {

@@ -351,8 +351,9 @@ def plan_for(base: Plan, workload: str, model: Path, out: Path | None, *, named:
         plan = replace(plan, reps=1)
     if out is not None:
         return replace(plan, out_dir=out)
-    if named or workload != "prompt":
-        return replace(plan, out_dir=base.out_dir / f"{model.stem}-{WORKLOADS[workload].name}")
+    if named or workload != "prompt":  # as `python -m bench` places them
+        name = "report" + ("" if workload == "prompt" else f"-{workload}") + (f"-{model.stem}" if named else "")
+        return replace(plan, out_dir=base.out_dir / name)
     return plan
 
 
