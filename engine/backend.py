@@ -27,8 +27,8 @@ from engine.kernels import KERNEL_CHOICES
 from engine.kv_compaction import Compaction, compact
 from engine.llama_handles import LlamaContext, LlamaModel, SamplerChain, capture_llama_log, logged_buffers
 from engine.messages import Output, Refused
-from protocol.sampling import GREEDY, Sampling
 from protocol.errors import ErrorCode
+from protocol.sampling import GREEDY, Sampling
 
 # KV cache element types: name -> (ggml type id, bytes per element)
 KV_TYPES = {"f32": (0, 4), "f16": (1, 2)}

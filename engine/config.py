@@ -1,61 +1,241 @@
-"""What an engine is built from: the model, its budgets and the scheduler's knobs."""
+"""What an engine is built from: the model, its budgets and the scheduler's knobs.
+
+Each field a node's operator may set carries its command-line help in `metadata`
+(neuron_tai/cli_options.py reads it): the default and type here are the only copy.
+"""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from engine.backend import ContextConfig
 from engine.budgets import Limits
+
+if TYPE_CHECKING:  # engine.backend loads llama.cpp: `neuron-tai` builds its parser from this class without it
+    from engine.backend import ContextConfig
+
+_BUDGET = "refuse to start if the {} take more bytes than this"
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    model: Path
-    max_sessions: int = 8
-    kv_cells: int = 4096
-    n_batch: int = 512
-    n_ubatch: int = 512
-    n_threads: int = 2
-    kv_type: str = "f16"
-    flash_attn: bool | None = None
-    kernels: str = "auto"  # weight kernel path (engine/kernels.py): never AMX unless asked for
+    model: Path = field(metadata={"help": "the GGUF model or shard to serve", "group": "start"})
+    max_sessions: int = field(default=8, metadata={"help": "sessions served at once", "group": "start", "min": 1})
+    kv_cells: int = field(
+        default=4096, metadata={"help": "KV cells shared by all sessions", "group": "start", "min": 1}
+    )
+    n_batch: int = field(
+        default=512, metadata={"help": "rows one llama_decode call may carry", "group": "tuning", "min": 1}
+    )
+    n_ubatch: int = field(
+        default=512,
+        metadata={"help": "rows llama.cpp computes at once (at most --n-batch)", "group": "tuning", "min": 1},
+    )
+    n_threads: int = field(
+        default_factory=lambda: os.cpu_count() or 2,
+        metadata={
+            "help": "llama.cpp threads",
+            "flag": "threads",
+            "group": "start",
+            "min": 1,
+            "shown": "this machine's cores",
+        },
+    )
+    kv_type: str = field(
+        default="f16", metadata={"help": "KV cache element type", "group": "start", "choices": ("f16", "f32")}
+    )
+    flash_attn: bool | None = field(
+        default=None,
+        metadata={"help": "flash attention", "group": "tuning", "choices": {"auto": None, "on": True, "off": False}},
+    )
+    # The weight kernel path (engine/kernels.py).
+    kernels: str = field(
+        default="auto",
+        metadata={
+            "help": "weight kernel path: auto = repacked CPU kernels where llama.cpp offers them, else plain; "
+            "never AMX unless asked (its kernels crash on quantized models on some hosts)",
+            "group": "tuning",
+            "choices": ("auto", "repack", "plain", "amx"),
+        },
+    )
     swa_full: bool = False
-    max_prefill_tokens: int = 256
-    max_step_tokens: int = 512
-    queue_budget_bytes: int = 64 * 2**20
+    max_prefill_tokens: int = field(
+        default=256,
+        metadata={"help": "most prefill tokens per iteration", "flag": "max-prefill", "group": "tuning", "min": 1},
+    )
+    max_step_tokens: int = field(
+        default=512, metadata={"help": "most tokens one step may carry", "group": "limits", "min": 1}
+    )
+    queue_budget_bytes: int = field(
+        default=64 * 2**20,
+        metadata={
+            "help": "bytes of queued step payloads",
+            "flag": "queue-budget",
+            "group": "limits",
+            "kind": "bytes",
+            "min": 0,
+        },
+    )
     inbox_size: int = 256
-    max_waiting_opens: int = 64
-    max_wait_ms: int = 60_000  # an open's wait_ms is capped to this
-    max_overtakes: int = 4  # opens admitted ahead of a waiting one before it holds admission
-    batch_invariant: bool = False
-    pad_rows: int | None = None  # batch-invariant padding; None: what the kernel path needs (engine/kernels.py)
-    idle_timeout_s: float | None = None
+    max_waiting_opens: int = field(
+        default=64,
+        metadata={
+            "help": "opens that may wait for room (with wait_ms)",
+            "flag": "max-waiting",
+            "group": "limits",
+            "min": 0,
+        },
+    )
+    max_wait_ms: int = field(default=60_000, metadata={"help": "cap on an open's wait_ms", "group": "limits", "min": 0})
+    max_overtakes: int = field(
+        default=4,
+        metadata={
+            "help": "opens admitted ahead of a waiting open before it holds admission",
+            "group": "tuning",
+            "min": 0,
+        },
+    )
+    batch_invariant: bool = field(
+        default=False,
+        metadata={"help": "pad decode batches: outputs that do not depend on the load", "group": "tuning"},
+    )
+    pad_rows: int | None = field(
+        default=None,
+        metadata={
+            "help": "batch-invariant mode pads decode rows to a multiple of this",
+            "group": "tuning",
+            "min": 1,
+            "shown": "what the kernel path needs",
+        },
+    )
+    idle_timeout_s: float | None = field(
+        default=None,
+        metadata={
+            "help": "close a session with no step or open this long, even if its client is alive (s; 0: off)",
+            "flag": "idle-timeout",
+            "group": "limits",
+            "min": 0,
+            "zero_is_none": True,
+            "shown": "off",
+        },
+    )
     drain_timeout_s: float = 10.0
-    limits: Limits = field(default_factory=Limits)
+    limits: Limits = field(
+        default_factory=Limits,
+        metadata={
+            "nested": {
+                "weights": {
+                    "help": _BUDGET.format("weights"),
+                    "flag": "weight-budget",
+                    "group": "limits",
+                    "kind": "bytes",
+                    "min": 0,
+                    "shown": "no limit",
+                },
+                "kv": {
+                    "help": _BUDGET.format("KV cache"),
+                    "flag": "kv-budget",
+                    "group": "limits",
+                    "kind": "bytes",
+                    "min": 0,
+                    "shown": "no limit",
+                },
+                "scratch": {
+                    "help": _BUDGET.format("compute buffers"),
+                    "flag": "scratch-budget",
+                    "group": "limits",
+                    "kind": "bytes",
+                    "min": 0,
+                    "shown": "no limit",
+                },
+            }
+        },
+    )
     record_iterations: bool = False
     # After answering a step, wait this long (at most 10% of the recent step time) for that
     # session's next step, so sessions stay in phase and share batches instead of drifting apart.
-    linger_ms: float = 6.0
+    linger_ms: float = field(
+        default=6.0,
+        metadata={
+            "help": "wait this long (at most 10% of a step) for answered sessions' next steps, so they share "
+            "the next batch",
+            "group": "tuning",
+            "min": 0,
+        },
+    )
     # While sessions decode, an iteration's prefill rows may add about this many decode steps'
     # time (sized from measured step times; engine/pacing.py), so decode latency stays bounded.
-    prefill_share: float = 1.0
+    prefill_share: float = field(
+        default=1.0,
+        metadata={
+            "help": "while sessions decode, an iteration's prefill may add this many decode steps' time "
+            "(higher: faster prefill and more throughput, longer gaps between tokens)",
+            "group": "tuning",
+            "min": 0,
+        },
+    )
     # Session groups run in calls of their own, each answered as soon as it is computed: at a
     # chain's head, one group's hidden states travel on (and compute downstream) while the next
     # group computes here. 1 runs every session in one call (nothing to overlap on a single node);
     # None: 1, or 2 when a node has a next stage (the node decides).
-    micro_batches: int | None = None
+    micro_batches: int | None = field(
+        default=None,
+        metadata={
+            "help": "run sessions in this many groups, each sent on to the next stage while the next "
+            "computes (a chain of N stages keeps all busy with N)",
+            "group": "tuning",
+            "min": 1,
+            "shown": "2 with --next, else 1 = off",
+        },
+    )
     # Per connection (the owner of a request): open sessions, waiting opens, and opens and steps
     # in the inbox at once. None: sessions and waiting opens as the node's own limits (a chain's
     # head sends all its sessions over one connection); queued requests, half the inbox but at
     # least max_sessions (a head sends one request per session at a time: they always fit).
-    max_sessions_per_peer: int | None = None
-    max_waiting_per_peer: int | None = None
-    max_queued_per_peer: int | None = None
+    max_sessions_per_peer: int | None = field(
+        default=None,
+        metadata={
+            "help": "sessions one connection may hold open (a chain's head sends all its sessions over one "
+            "connection: a next stage must not cap it below the head's --max-sessions)",
+            "group": "limits",
+            "min": 1,
+            "shown": "--max-sessions",
+        },
+    )
+    max_waiting_per_peer: int | None = field(
+        default=None,
+        metadata={
+            "help": "opens of one connection that may wait",
+            "group": "limits",
+            "min": 0,
+            "shown": "--max-waiting",
+        },
+    )
+    max_queued_per_peer: int | None = field(
+        default=None,
+        metadata={
+            "help": "opens and steps of one connection queued for the engine at once; beyond it, busy",
+            "group": "limits",
+            "min": 1,
+            "shown": "half the engine's inbox of 256, at least --max-sessions",
+        },
+    )
     # Batch-invariant mode: once closed sessions hold this share of the KV cells, they are freed
     # by a compaction even when no open waits for them (held cells lengthen every attention
     # walk). None: only when an open needs them.
-    compact_at: float | None = 0.5
+    compact_at: float | None = field(
+        default=0.5,
+        metadata={
+            "help": "batch-invariant mode: compact the KV cache once closed sessions hold this share of its "
+            "cells (0: only when an open needs them)",
+            "group": "tuning",
+            "min": 0,
+            "max": 1,
+            "zero_is_none": True,
+        },
+    )
 
     def queued_per_peer(self) -> int:
         """Requests one connection may have in the inbox at once."""
@@ -64,6 +244,8 @@ class EngineConfig:
         return min(self.inbox_size, max(self.inbox_size // 2, self.max_sessions))
 
     def context(self) -> ContextConfig:
+        from engine.backend import ContextConfig  # noqa: PLC0415
+
         return ContextConfig(
             n_seq_max=self.max_sessions + (2 if self.batch_invariant else 0),  # + padding, graveyard
             n_ctx=self.kv_cells,

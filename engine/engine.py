@@ -25,14 +25,13 @@ from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
 import trio
 
-from engine.backend import KV_TYPES, ContextConfig, DecodeFailed, DecodeOutcome, Segment, SegmentResult, StageBackend
-from engine.budgets import BudgetError, Budgets, KvShape, Limits, kv_layout
+from engine.backend import KV_TYPES, DecodeFailed, DecodeOutcome, Segment, SegmentResult, StageBackend
+from engine.budgets import BudgetError, Budgets, KvShape, kv_layout
 from engine.compute_thread import ComputeThread
 from engine.config import EngineConfig
 from engine.gguf_facts import ModelFacts, read_facts
@@ -65,8 +64,8 @@ from engine.scheduler import (
     Waiter,
 )
 from engine.telemetry import Telemetry
-from protocol.stage import Stage
 from protocol.errors import ErrorCode
+from protocol.stage import Stage
 
 log = logging.getLogger("neuron_tai.engine")
 
@@ -691,13 +690,13 @@ class Engine:
             chunks.append((c.key, c.pos, c.count, step.is_decode, plan.iteration - step.submitted_iteration))
         return IterationRecord(plan.iteration, tuple(chunks), call.pad_rows)
 
-    @staticmethod
-    def _done(work: _Work, last: SegmentResult) -> StepDone:
+    def _done(self, work: _Work, last: SegmentResult) -> StepDone:
         req = work.request
         hidden = None
         if req.out is Output.HIDDEN:
             hidden = work.hidden[0] if len(work.hidden) == 1 else np.concatenate(work.hidden)
-        return StepDone(req.session, req.pos, req.n, req.out, hidden, last.logits, last.token)
+        max_tokens = self.scheduler.sessions[(req.owner, req.session)].max_tokens
+        return StepDone(req.session, req.pos, req.n, req.out, hidden, last.logits, last.token, req.pos + req.n, max_tokens)
 
     async def _no_kv_slot(self, plan: Plan) -> None:
         """llama.cpp found no contiguous KV slot for the call (it wrote nothing): a transient outcome.

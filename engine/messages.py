@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from protocol.errors import Fault
 from protocol.sampling import GREEDY, Sampling
-from protocol.errors import ErrorCode
 
 Owner = Hashable  # the connection a session belongs to
 
@@ -30,12 +30,7 @@ class Output(enum.Enum):
     PAD = "pad"  # padding rows: computed as outputs (fixed batch shape), nothing returned
 
 
-class Refused(Exception):
-    """A request refused before llama.cpp saw it; nothing changed. `code` says why."""
-
-    def __init__(self, code: ErrorCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
+Refused = Fault  # a request refused before llama.cpp saw it; nothing changed
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +102,8 @@ class StepDone:
     hidden: npt.NDArray[np.float32] | None = None
     logits: npt.NDArray[np.float32] | None = None
     token: int | None = None
+    length: int = 0  # the session's length after the step
+    max_tokens: int = 0  # the session's `max_tokens`
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,11 +112,7 @@ class Closed:
     existed: bool
 
 
-@dataclass(frozen=True, slots=True)
-class Failure:
-    code: ErrorCode
-    message: str
-    retry_after_ms: int | None = None
+Failure = Fault  # what a request is answered with instead of a result
 
 
 Result = Opened | StepDone | Closed | Failure

@@ -9,7 +9,9 @@ parsing on. The header is read with the lean GGUF reader: no vocabulary is decod
 beyond the few control tokens.
 
 Without a model file the gateway uses `FALLBACK_TEMPLATE`: one `role: content` line per
-message and a closing `assistant:`.
+message and a closing `assistant:`. A model has no end-of-turn token for that plain form,
+so it would go on writing the next `user:` turn itself: `turn_stops` gives the gateway
+the next turn's marker (a new line and a role) as stop strings.
 """
 
 from __future__ import annotations
@@ -30,6 +32,12 @@ FALLBACK_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
+PLAIN_ROLES = (
+    "system",
+    "user",
+    "assistant",
+    "tool",
+)  # a turn of any of these, or of the chat's own roles, ends the answer
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types whose text is parsed as the token
 
 
@@ -93,6 +101,14 @@ class ChatTemplate:
                                    strftime_now=strftime_now)  # fmt: skip
         except TemplateError as exc:
             raise ChatTemplateError(f"chat template: {exc}") from None
+
+    def turn_stops(self, messages: Sequence[dict[str, Any]]) -> tuple[str, ...]:
+        """Text that starts another turn, for the plain fallback only (a model's own template ends
+        its turns with an end-of-generation token)."""
+        if self.source != FALLBACK_TEMPLATE:
+            return ()
+        roles = dict.fromkeys([*PLAIN_ROLES, *(str(m["role"]) for m in messages)])
+        return tuple(f"\n{role}:" for role in roles)
 
 
 def _strings_at(entry: Entry, wanted: set[int]) -> dict[int, str]:

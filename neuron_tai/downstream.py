@@ -5,7 +5,7 @@ one DEALER socket owned by its pump task, rids of our own matched to replies, a
 timeout per request. With CURVE it authenticates with the node's own key pair,
 like any client. A request the next stage does not answer within `timeout_s`,
 or that cannot be sent, comes back as None and counts as a failure; so does a reply
-that is not what the request expects (wire.check_reply: an `error`, or the answer to
+that is not what the request expects (wire.answer_to: an `error`, or the answer to
 that op with its keys and payload shape), which also counts in `malformed`.
 
 The link is watched, so a next stage that is down is noticed within seconds rather
@@ -41,9 +41,21 @@ from zmq.utils.monitor import parse_monitor_message
 from neuron_tai.security import ClientCurve
 from transport.keepalive import LeaseKeeper
 from transport.memory_bounds import MAX_OUTBOX_BYTES
-from transport.requester import ClientClosed, OutboxFull, Reply, Requester
+from transport.requester import ClientClosed, OutboxFull, RawReply, Requester
 from transport.trio_zmq import TrioSocket
-from transport.wire import NEXT_STAGE_REPLY_LIMITS, WireError, check_reply
+from transport.wire import (
+    NEXT_STAGE_REPLY_LIMITS,
+    Close,
+    Fault,
+    Open,
+    Opened,
+    Reply,
+    Request,
+    answer_to,
+    op_of,
+    reply_header,
+    request_from_header,
+)
 
 log = logging.getLogger("neuron_tai.downstream")
 
@@ -124,7 +136,7 @@ class NextStage:
                     self.core.pump.drop_outbox()  # queued while down: too old to send now
                     self.core.pump.hold(False)
                     for session in self._closes_pending:
-                        self.core.send_nowait({"op": "close", "session": session})
+                        self.core.send_nowait(Close(0, session))
                     self._closes_pending.clear()
                 self.connected = True
                 self._up.set()
@@ -137,39 +149,52 @@ class NextStage:
                 self.core.fail_waiting()
                 log.warning("next stage %s disconnected (%d unsent dropped)", self.address, dropped)
 
-    async def request(self, header: dict[str, Any], payload: list[bytes] | None = None) -> Reply | None:
-        """The next stage's reply (`error` replies included); None when it failed, did not answer,
-        or the link is down."""
+    async def call(self, request: Request) -> Reply | None:
+        """The next stage's reply to `request` (`error` replies included), checked against it;
+        None when it failed, did not answer, or the link is down."""
+        op = op_of(request)
         if not self.connected:
             with trio.move_on_after(min(self.connect_wait_s, self.timeout_s)):
                 await self._up.wait()
             if not self.connected:
-                log.warning("next stage %s is not connected: %r not sent", self.address, header.get("op"))
+                log.warning("next stage %s is not connected: %r not sent", self.address, op)
                 self.failures += 1
                 return None
         try:
-            reply = await self.core.request(header, payload or [], self.timeout_s)
-            reply = check_reply(header, *reply, self.n_embd, self.n_vocab)
-        except WireError as exc:
+            raw = await self.core.request(request, self.timeout_s)
+            reply = answer_to(request, *raw, self.n_embd, self.n_vocab)
+        except Fault as exc:
             self.malformed += 1
             log.warning("next stage %s: %s", self.address, exc.message)
         except TimeoutError:
-            log.warning("next stage %s did not answer %r within %.1fs", self.address, header.get("op"), self.timeout_s)
+            log.warning("next stage %s did not answer %r within %.1fs", self.address, op, self.timeout_s)
         except (OutboxFull, ClientClosed) as exc:
             log.warning("next stage %s: %s", self.address, exc)
         else:
-            if header.get("op") == "open" and reply[0].get("op") == "opened":
-                self.keeper.opened(str(header.get("session")), reply[0].get("lease_ms"))
+            if isinstance(request, Open) and isinstance(reply, Opened):
+                self.keeper.opened(request.session, reply.lease_ms)
             return reply
         self.failures += 1
         return None
+
+    async def request(self, header: dict[str, Any], payload: list[bytes] | None = None) -> RawReply | None:
+        """`call` for a request given as a header map, the reply as one (the node's form until
+        it is switched to `call`)."""
+        try:
+            request = request_from_header(header, payload or [], self.n_embd)
+        except Fault as exc:  # a bug of the caller's: this request fails, the link goes on
+            log.error("a request for next stage %s is malformed: %s", self.address, exc.message)
+            self.failures += 1
+            return None
+        reply = await self.call(request)
+        return None if reply is None else reply_header(reply)
 
     def close_soon(self, session: str) -> None:
         """Close a forwarded session there without waiting for the answer (never blocks)."""
         self.keeper.closed(session)
         if not self.connected:  # sent once the link is up again (it is bounded by the sessions forwarded)
             self._closes_pending.add(session)
-        elif not self.core.send_nowait({"op": "close", "session": session}):
+        elif not self.core.send_nowait(Close(0, session)):
             log.warning("next stage %s: the close of %s could not be queued", self.address, session)
 
     def stats(self) -> dict[str, Any]:

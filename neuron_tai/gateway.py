@@ -6,24 +6,26 @@ node. Each HTTP request opens its own session (prompt plus `max_tokens` position
 a server-side `generate` and closes the session on the way out, also when the HTTP
 client disconnects or anything fails (`cancel`, then `close`, shielded).
 
-Node refusals map to HTTP: `busy`, `session_limit` and `kv_budget` are 429 with
-`Retry-After`; bad input is 400; a node that does not answer is 502. Bodies of errors
-are OpenAI's `{"error": {"message", "type", "param", "code"}}`.
+Requests name one of the served models (`model_name` or an alias); node refusals map to
+HTTP as `gateway_errors` says. `/health` is 200 only when the node answers and, at the
+head of a chain, reports its link to the next stage up. Every request gets an access-log
+line (`access_log`), every failure a line on `neuron_tai.gateway`.
 """
 
 from __future__ import annotations
 
-import math
+import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing, suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import hypercorn.config
-import hypercorn.trio
+import hypercorn.trio.run
+import hypercorn.utils
 import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.applications import Starlette
@@ -32,8 +34,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Send
 
+from neuron_tai.access_log import ACCESS_LOG, Access, AccessLog, access_of
 from neuron_tai.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 from neuron_tai.client import Client, ClientClosed, Done, NodeError, open_client
+from neuron_tai.gateway_errors import error_response, never_fits, node_error, prompt_over_step, unreachable
 from neuron_tai.metrics import SnapshotCollector
 from neuron_tai.openai_api import (
     ApiError,
@@ -46,54 +50,104 @@ from neuron_tai.openai_api import (
     event,
     generation_params,
     parse_json,
+    requested_model,
 )
 from neuron_tai.stop_text import StopText
+from neuron_tai.text_stream import TextStream
 from protocol.errors import ErrorCode
 
-RATE_LIMITED = {ErrorCode.BUSY, ErrorCode.SESSION_LIMIT, ErrorCode.KV_BUDGET}
-BAD_INPUT = {ErrorCode.BAD_REQUEST, ErrorCode.POSITION, ErrorCode.TOO_LARGE}
 STATS_TIMEOUT_S = 2.0
+log = logging.getLogger("neuron_tai.gateway")
 
 
 @dataclass(frozen=True, slots=True)
 class GatewayConfig:
-    node: str
-    host: str = "127.0.0.1"
-    port: int = 8080
-    model_name: str = "neuron-tai"
-    model: Path | None = None  # the GGUF file, for its chat template
-    server_key: Path | None = None
-    key: Path | None = None
-    timeout_s: float = 60.0  # the node's replies, each within this of the one before
-    max_requests: int = 64  # generations in flight; more are refused with 429
-    open_wait_ms: int = 0  # how long a request may wait at a full node (its bounded queue) before 429
+    """What the gateway serves; each field's `metadata` is its `neuron-tai gateway` option (cli_options.py)."""
+
+    node: str = field(
+        metadata={
+            "help": "the node (or chain head) to serve from",
+            "group": "start",
+            "kind": "address",
+            "metavar": "ADDR",
+        }
+    )
+    host: str = field(default="127.0.0.1", metadata={"help": "HTTP address to listen on", "group": "start"})
+    port: int = field(
+        default=8080, metadata={"help": "HTTP port (0: any free port)", "group": "start", "min": 0, "max": 65535}
+    )
+    model_name: str = field(
+        default="neuron-tai", metadata={"help": "the model id clients see and send", "group": "start"}
+    )
+    # The GGUF file, for its chat template.
+    model: Path | None = field(
+        default=None,
+        metadata={
+            "help": "the GGUF model (or its first shard): chat prompts use its template",
+            "group": "start",
+            "metavar": "FILE",
+            "shown": "none: plain 'role: content' prompts",
+        },
+    )
+    server_key: Path | None = field(
+        default=None, metadata={"help": "the node's public key (CURVE)", "metavar": "FILE", "shown": "no CURVE"}
+    )
+    key: Path | None = field(
+        default=None,
+        metadata={"help": "this client's key pair, .key_secret (CURVE)", "metavar": "FILE", "shown": "no CURVE"},
+    )
+    # The node's replies, each within this of the one before.
+    timeout_s: float = field(
+        default=60.0, metadata={"help": "seconds to wait for each reply of the node", "flag": "timeout", "min": 0}
+    )
+    max_requests: int = field(
+        default=64, metadata={"help": "generations in flight; more get 429", "group": "limits", "min": 1}
+    )
+    # How long a request may wait at a full node (its bounded queue) before 429.
+    open_wait_ms: int = field(
+        default=0,
+        metadata={
+            "help": "a request may wait this long in a full node's queue before 429",
+            "group": "limits",
+            "min": 0,
+        },
+    )
+    model_aliases: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "help": "more model ids requests may name, separated by commas (answers name --model-name)",
+            "group": "start",
+            "kind": "names",
+            "flag": "model-alias",
+            "shown": "none",
+        },
+    )
+    access_log: bool = field(
+        default=True, metadata={"help": "log one line per HTTP request (method, path, status, tokens, time)"}
+    )
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """Every id a request may name: the served name first, then the aliases."""
+        return (self.model_name, *(a for a in self.model_aliases if a != self.model_name))
 
 
-def node_error(exc: NodeError) -> ApiError:
-    if exc.code in RATE_LIMITED:
-        wait = max(1, math.ceil((exc.retry_after_ms or 1000) / 1000))
-        return ApiError(429, f"the node is at capacity ({exc.code}): {exc.message}", type_="rate_limit_error",
-                        code=exc.code, retry_after_s=wait)  # fmt: skip
-    if exc.code in BAD_INPUT:
-        return ApiError(400, f"the node refused the request ({exc.code}): {exc.message}", code=exc.code)
-    if exc.code == ErrorCode.SHUTTING_DOWN:
-        return ApiError(503, "the node is shutting down", type_="server_error", code=exc.code, retry_after_s=1)
-    return ApiError(502, f"the node failed ({exc.code}): {exc.message}", type_="server_error", code=exc.code)
-
-
-def unreachable(exc: Exception) -> ApiError:
-    return ApiError(502, f"the node is unreachable: {exc}", type_="server_error", code="node_unreachable")
-
-
-def error_response(err: ApiError) -> JSONResponse:
-    headers = {"Retry-After": str(err.retry_after_s)} if err.retry_after_s is not None else None
-    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+class ListenError(ConnectionError):
+    """The gateway cannot listen on its HTTP address (in use, or not this host's). A
+    ConnectionError, so the command line reports it in one line like an address it cannot reach."""
 
 
 @dataclass(frozen=True, slots=True)
 class Finish:
     reason: str  # "stop" or "length"
     usage: Usage
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    ids: list[int]
+    param: str  # the request field it came from ("prompt" or "messages"): what to shorten when it is too long
+    stops: tuple[str, ...] = ()  # the next turn's markers of the plain chat form
 
 
 @dataclass(slots=True)
@@ -143,6 +197,12 @@ class GatewayMetrics:
         self.registry.register(self.node)
 
 
+def link_down(stats: dict[str, Any]) -> bool:
+    """Whether a chain's head reports its next stage disconnected (a whole-model node has none)."""
+    link = stats.get("downstream")
+    return isinstance(link, dict) and not link.get("connected", False)
+
+
 class Gateway:
     def __init__(self, client: Client, config: GatewayConfig, template: ChatTemplate) -> None:
         self.client = client
@@ -150,6 +210,7 @@ class Gateway:
         self.template = template
         self.metrics = GatewayMetrics()
         self.active = 0
+        self.unhealthy: str | None = None  # why /health last said 503, None while it says 200
 
     def app(self) -> Starlette:
         return Starlette(
@@ -171,23 +232,36 @@ class Gateway:
         return await self._serve(request, chat=True)
 
     async def models(self, _request: Request) -> Response:
-        model = {"id": self.config.model_name, "object": "model", "created": 0, "owned_by": "neuron-tai"}
-        return JSONResponse({"object": "list", "data": [model]})
+        data = [{"id": name, "object": "model", "created": 0, "owned_by": "neuron-tai"} for name in self.model_names]
+        return JSONResponse({"object": "list", "data": data})
 
     async def health(self, _request: Request) -> Response:
-        with trio.move_on_after(STATS_TIMEOUT_S):
-            with suppress(NodeError, ClientClosed, TimeoutError):
-                await self.client.request({"op": "ping"}, retry=False)
-                return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "unavailable", "node": self.config.node}, status_code=503)
+        stats = await self._node_stats()
+        reason = None
+        if stats is None or link_down(stats):
+            reason = "the node does not answer" if stats is None else "the node's next stage is not connected"
+        if reason != self.unhealthy:  # a line when the state changes, not on every poll
+            log.log(logging.WARNING if reason else logging.INFO, "health: %s (%s)", reason or "ok", self.config.node)
+            self.unhealthy = reason
+        if reason is None:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unavailable", "node": self.config.node, "reason": reason}, status_code=503)
 
     async def prometheus(self, _request: Request) -> Response:
-        stats: dict[str, Any] = {}
-        with trio.move_on_after(STATS_TIMEOUT_S), suppress(NodeError, ClientClosed, TimeoutError):
-            stats = (await self.client.request({"op": "stats"}, retry=False))[0]["stats"]
+        stats = await self._node_stats()
         self.metrics.node_up.set(1 if stats else 0)
-        self.metrics.node.snapshot = stats
+        self.metrics.node.snapshot = stats or {}
         return Response(generate_latest(self.metrics.registry), media_type="text/plain; version=0.0.4")
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return self.config.model_names
+
+    async def _node_stats(self) -> dict[str, Any] | None:
+        """The node's `stats`, or None when it does not answer within STATS_TIMEOUT_S."""
+        with trio.move_on_after(STATS_TIMEOUT_S), suppress(NodeError, ClientClosed, TimeoutError):
+            return (await self.client.request({"op": "stats"}, retry=False))[0]["stats"]  # type: ignore[no-any-return]
+        return None
 
     # -- one generation --------------------------------------------------------------------
 
@@ -197,6 +271,8 @@ class Gateway:
         try:
             response = await self._respond(request, chat, start)
         except ApiError as err:
+            level = logging.WARNING if err.status >= 500 else logging.INFO
+            log.log(level, "%s %s: %d %s", request.method, endpoint, err.status, err.message)
             response = error_response(err)
         self.metrics.requests.labels(endpoint, str(response.status_code)).inc()
         if not isinstance(response, StreamingResponse):
@@ -205,8 +281,40 @@ class Gateway:
 
     async def _respond(self, request: Request, chat: bool, start: float) -> Response:
         body = parse_json(await request.body())
+        requested_model(body, self.model_names)
         params = generation_params(body, chat=chat)
         shape = Shape.new(chat, self.config.model_name)
+        access = access_of(request)
+        access.tokens = 0
+        release = self._admit()
+        opened: NodeSession | None = None
+        streaming = False
+        try:
+            prompt = await self._prompt(body, chat)
+            opened = await self._open(prompt, params)
+            pieces = self._generate(opened, prompt, params, access)
+            if not params.stream:
+                return await self._full(pieces, shape)
+
+            async def on_close() -> None:
+                await self._end_session(opened)
+                release()
+                self.metrics.latency.labels(request.url.path).observe(time.perf_counter() - start)
+
+            streaming = True
+            return EventStream(self._events(pieces, shape, params, start), on_close)
+        except NodeError as exc:
+            raise node_error(exc) from None
+        except (TimeoutError, ClientClosed) as exc:
+            raise unreachable(exc) from None
+        finally:
+            if not streaming:  # otherwise the stream's end does this
+                if opened is not None:
+                    await self._end_session(opened)
+                release()
+
+    def _admit(self) -> Callable[[], None]:
+        """Count a generation in flight (429 at `max_requests`); the returned call ends it, once."""
         if self.active >= self.config.max_requests:
             raise ApiError(429, "the gateway has too many requests in flight", type_="rate_limit_error",
                            code="too_many_requests", retry_after_s=1)  # fmt: skip
@@ -221,37 +329,17 @@ class Gateway:
                 self.active -= 1
                 self.metrics.in_flight.dec()
 
-        opened: NodeSession | None = None
-        try:
-            ids = await self._prompt_ids(body, chat)
-            opened = await self._open(ids, params)
-            pieces = self._generate(opened, ids, params)
-            if params.stream:
-                endpoint = request.url.path
+        return release
 
-                async def on_close() -> None:
-                    await self._end_session(opened)
-                    release()
-                    self.metrics.latency.labels(endpoint).observe(time.perf_counter() - start)
-
-                return EventStream(self._events(pieces, shape, params, start), on_close)
-            text: list[str] = []
-            async with aclosing(pieces):
-                async for piece in pieces:
-                    if isinstance(piece, Finish):
-                        self.metrics.tokens.inc(piece.usage.completion_tokens)
-                        return JSONResponse(shape.full("".join(text), piece.reason, piece.usage))
-                    text.append(piece)
-            raise ApiError(502, "the generation ended without a result", type_="server_error")
-        except NodeError as exc:
-            raise node_error(exc) from None
-        except (TimeoutError, ClientClosed) as exc:
-            raise unreachable(exc) from None
-        finally:
-            if not params.stream:
-                if opened is not None:
-                    await self._end_session(opened)
-                release()
+    async def _full(self, pieces: AsyncGenerator[str | Finish, None], shape: Shape) -> Response:
+        text: list[str] = []
+        async with aclosing(pieces):
+            async for piece in pieces:
+                if isinstance(piece, Finish):
+                    self.metrics.tokens.inc(piece.usage.completion_tokens)
+                    return JSONResponse(shape.full("".join(text), piece.reason, piece.usage))
+                text.append(piece)
+        raise ApiError(502, "the generation ended without a result", type_="server_error")
 
     async def _events(
         self,
@@ -272,24 +360,37 @@ class Gateway:
                         if params.include_usage:
                             yield event(shape.usage_chunk(piece.usage))
                         break
-                    if not piece:
-                        continue
                     if timed:
                         self.metrics.ttft.observe(time.perf_counter() - start)
                         timed = False
                     yield event(shape.chunk(piece))
         except NodeError as exc:
-            yield event(node_error(exc).body())
+            yield event(self._stream_failed(node_error(exc)).body())
         except (TimeoutError, ClientClosed) as exc:
-            yield event(unreachable(exc).body())
+            yield event(self._stream_failed(unreachable(exc)).body())
         yield event("[DONE]")
 
-    async def _prompt_ids(self, body: dict[str, Any], chat: bool) -> list[int]:
-        if not chat:
-            prompt = completion_prompt(body)
-            return prompt if isinstance(prompt, list) else await self.client.tokenize(prompt)
+    def _stream_failed(self, err: ApiError) -> ApiError:
+        log.warning("a stream ended with an error: %d %s", err.status, err.message)
+        return err
+
+    async def _prompt(self, body: dict[str, Any], chat: bool) -> Prompt:
         try:
-            text = self.template.render(chat_messages(body))
+            if not chat:
+                prompt = completion_prompt(body)
+                ids = prompt if isinstance(prompt, list) else await self.client.tokenize(prompt)
+                return Prompt(ids, "prompt")
+            messages = chat_messages(body)
+            return Prompt(await self._chat_ids(messages), "messages", self.template.turn_stops(messages))
+        except NodeError as exc:
+            if exc.code == ErrorCode.TOO_LARGE:  # more text than the node tokenizes at once
+                param = "messages" if chat else "prompt"
+                raise bad(f"the {param} is too long: {exc.message}", param) from None
+            raise
+
+    async def _chat_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        try:
+            text = self.template.render(messages)
         except ChatTemplateError as exc:
             raise bad(str(exc), "messages") from None
         specials = self.template.specials
@@ -302,27 +403,52 @@ class Gateway:
             ids.insert(0, specials.bos_id)
         return ids
 
-    async def _open(self, ids: list[int], params: GenerationParams) -> NodeSession:
-        if not ids:
-            raise bad("the prompt is empty", "prompt")
-        session = uuid.uuid4().hex
-        opened = await self.client.open(
-            session, len(ids) + params.max_tokens, sampling=params.sampling(), wait_ms=self.config.open_wait_ms
-        )
-        return NodeSession(session, {int(t) for t in opened.get("stage", {}).get("eog_tokens", [])})
+    async def _open(self, prompt: Prompt, params: GenerationParams) -> NodeSession:
+        """Open the request's session; a request that can never fit the node is a 400 naming what to change."""
+        if not prompt.ids:
+            raise bad(f"the {prompt.param} is empty", prompt.param)
+        session_id = uuid.uuid4().hex
+        need = len(prompt.ids) + params.max_tokens
+        try:
+            opened = await self.client.open(
+                session_id, need, sampling=params.sampling(), wait_ms=self.config.open_wait_ms
+            )
+        except NodeError as exc:
+            if exc.code in (ErrorCode.TOO_LARGE, ErrorCode.KV_BUDGET):
+                await self._refuse_if_never_fits(exc, prompt, params)
+            raise
+        stage = opened.get("stage", {})
+        session = NodeSession(session_id, {int(t) for t in stage.get("eog_tokens", [])})
+        limit = stage.get("max_step_tokens")
+        if isinstance(limit, int) and len(prompt.ids) > limit:
+            session.finished = True  # no generate ran: close, nothing to cancel
+            await self._end_session(session)
+            raise prompt_over_step(len(prompt.ids), limit, prompt.param)
+        return session
+
+    async def _refuse_if_never_fits(self, exc: NodeError, prompt: Prompt, params: GenerationParams) -> None:
+        """`too_large` never fits; `kv_budget` never does either when the node's cells are fewer than the
+        request needs (a node that says `kv_budget` for that is asked for its `kv_cells_total`)."""
+        stats = await self._node_stats()
+        cells = stats.get("kv_cells_total") if stats is not None else None
+        cells = cells if isinstance(cells, int) else None
+        n_prompt = len(prompt.ids)
+        if exc.code == ErrorCode.TOO_LARGE or (cells is not None and n_prompt + params.max_tokens > cells):
+            raise never_fits(n_prompt, params.max_tokens, cells, prompt.param, exc.message)
 
     async def _generate(
-        self, opened: NodeSession, ids: list[int], params: GenerationParams
+        self, opened: NodeSession, prompt: Prompt, params: GenerationParams, access: Access
     ) -> AsyncGenerator[str | Finish, None]:
         """Text as it becomes safe to show (stop strings held back), then one `Finish`.
         The session is closed on the way out, whatever the way."""
-        session, eog = opened.id, opened.eog
-        out: list[int] = []  # the answer's tokens: end-of-generation tokens left out of the text
+        text = TextStream(self.client.detokenize)
+        stop = StopText(params.stop + prompt.stops)
         made = 0  # tokens generated, counted in `usage`
-        stop = StopText(params.stop)
         reason = "length"
         try:
-            replies = self.client.generate_tokens(session, 0, ids, params.max_tokens, ignore_eog=params.ignore_eos)
+            replies = self.client.generate_tokens(
+                opened.id, 0, prompt.ids, params.max_tokens, ignore_eog=params.ignore_eos
+            )
             async with aclosing(replies):
                 async for reply in replies:
                     if isinstance(reply, Done):
@@ -331,22 +457,16 @@ class Gateway:
                         made -= reply.reason == "eog"  # the token that ended the run is not part of the answer
                         break
                     made += len(reply.tokens)
-                    new = [t for t in reply.tokens if t not in eog]
-                    if not new:
-                        continue
-                    out += new
-                    text = await self.client.detokenize(out)
-                    if shown := stop.feed(text.rstrip("\ufffd")):  # a character's rest is still to come
+                    access.tokens = made
+                    if shown := stop.push(await text.push([t for t in reply.tokens if t not in opened.eog])):
                         yield shown
                     if stop.stopped:
                         reason = "stop"
                         break
-            if not stop.stopped:
-                if shown := stop.feed(await self.client.detokenize(out) if out else ""):
-                    yield shown
-                if shown := stop.flush():
-                    yield shown
-            yield Finish(reason, Usage(len(ids), made))
+            if shown := stop.push(text.flush()) + stop.flush():
+                yield shown
+            access.tokens = made
+            yield Finish(reason, Usage(len(prompt.ids), made))
         finally:
             await self._end_session(opened)
 
@@ -361,27 +481,47 @@ class Gateway:
             await self.client.close_on_exit(session.id)
 
 
+def listen(config: GatewayConfig) -> tuple[hypercorn.config.Config, hypercorn.config.Sockets]:
+    """Hypercorn's config and its bound, listening sockets; ListenError when the address is taken."""
+    hc = hypercorn.config.Config()
+    hc.bind = [f"{config.host}:{config.port}"]
+    hc.accesslog = None
+    hc.errorlog = None
+    try:
+        sockets = hc.create_sockets()
+        for sock in sockets.insecure_sockets:
+            sock.listen(hc.backlog)
+    except OSError as exc:
+        raise ListenError(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}") from None
+    return hc, sockets
+
+
 async def serve_gateway(
     config: GatewayConfig,
     *,
     shutdown: trio.Event | None = None,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve until `shutdown` is set (or forever); `task_status.started` gets the bound URLs."""
-    template = load_chat_template(config.model)
-    async with open_client(
-        config.node, timeout_s=config.timeout_s, retries=0, server_key=config.server_key, key=config.key
-    ) as client:
-        gateway = Gateway(client, config, template)
-        hc = hypercorn.config.Config()
-        hc.bind = [f"{config.host}:{config.port}"]
-        hc.accesslog = None
-        hc.errorlog = None
-        trigger = shutdown.wait if shutdown is not None else None
-        app = gateway.app()
+    """Serve until `shutdown` is set (or forever); `task_status.started` gets the bound URLs.
+    Raises ListenError before anything else when the HTTP address cannot be bound."""
+    hc, sockets = listen(config)
+    ACCESS_LOG.setLevel(logging.INFO if config.access_log else logging.WARNING)
+    try:
+        template = load_chat_template(config.model)
+        async with open_client(
+            config.node, timeout_s=config.timeout_s, retries=0, server_key=config.server_key, key=config.key
+        ) as client:
+            asgi = AccessLog(Gateway(client, config, template).app())
+            app = hypercorn.utils.wrap_app(asgi, hc.wsgi_max_body_size, "asgi")  # type: ignore[arg-type]
+            trigger = shutdown.wait if shutdown is not None else None
 
-        async def serve_http(*, task_status: trio.TaskStatus[list[str]]) -> None:
-            await hypercorn.trio.serve(app, hc, shutdown_trigger=trigger, task_status=task_status)  # type: ignore[arg-type]
+            async def serve_http(*, task_status: trio.TaskStatus[list[str]]) -> None:
+                await hypercorn.trio.run.worker_serve(
+                    app, hc, sockets=sockets, shutdown_trigger=trigger, task_status=task_status
+                )
 
-        async with trio.open_nursery() as nursery:
-            task_status.started(await nursery.start(serve_http))
+            async with trio.open_nursery() as nursery:
+                task_status.started(await nursery.start(serve_http))
+    finally:
+        for sock in sockets.insecure_sockets:
+            sock.close()

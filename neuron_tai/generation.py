@@ -1,7 +1,7 @@
 """Server-side generation (`generate`): what one run knows, and when it ends.
 
-The node's handler task for a `generate` owns the run: it steps the session, feeds each
-sampled token back as the next step, and streams the tokens. Other requests reach the
+The handler task for a `generate` owns the run (neuron_tai.generate_run): it steps the
+session, feeds each sampled token back as the next step, and streams the tokens. Other requests reach the
 run only through `Generation`: `cancel` asks it to stop and is answered once it has
 answered `done`; `close` asks it to stop and have the session closed once it has. Either
 way their own replies come after the `done`. Neither is a task of its own, so neither is
@@ -11,6 +11,7 @@ ever refused for want of room (a run keeps at most `MAX_PENDING_CANCELS` cancels
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import trio
@@ -34,7 +35,7 @@ class Generation:
 
     cancel: trio.Event = field(default_factory=trio.Event)
     length: int = 0  # the session's length once finished
-    close_after: bool = False  # a `close` waits for the run's end: the node closes the session then
+    then_close: Callable[[], None] | None = None  # a `close` waiting for the run's end: it runs then
     cancels: list[int] = field(default_factory=list)  # rids of the cancels answered at the run's end
 
 

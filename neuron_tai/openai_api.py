@@ -75,6 +75,20 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     return body
 
 
+def requested_model(body: dict[str, Any], names: tuple[str, ...]) -> str:
+    """The `model` the request names, one of `names`. OpenAI requires the field (400 without it)
+    and answers a model it does not serve with 404 `model_not_found`, as vLLM does too."""
+    model = body.get("model")
+    if model is None:
+        raise bad("you must provide a model parameter", "model")
+    if not isinstance(model, str):
+        raise bad("'model' must be a string", "model")
+    if model not in names:
+        message = f"the model '{model}' does not exist; this server serves {', '.join(map(repr, names))}"
+        raise ApiError(404, message, param="model", code="model_not_found")
+    return model
+
+
 def _number(
     body: dict[str, Any], key: str, default: float, low: float, high: float, *, open_low: bool = False
 ) -> float:

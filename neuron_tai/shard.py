@@ -71,6 +71,15 @@ def _facts(header: Header, path: Path) -> ModelFacts:
         raise ShardError(str(exc)) from None
 
 
+def check_layer_range(block_count: int, start: int, end: int) -> None:
+    """ShardError unless layers [start, end) are within a file of `block_count` layers."""
+    if not 0 <= start < end <= block_count:
+        raise ShardError(
+            f"layer range {start}:{end} is not within the model's {block_count} layers "
+            f"(need 0 <= A < B <= {block_count})"
+        )
+
+
 def write_shard(src: Path, start: int, end: int, out: Path, header: Header | None = None) -> Path:
     """Write layers [start, end) of `src` (indices within `src`) to `out`."""
     header = header or open_header(src)
@@ -81,11 +90,7 @@ def write_shard(src: Path, start: int, end: int, out: Path, header: Header | Non
     if why:
         raise ShardError(f"{src}: {why}")
     layers = _facts(header, src)
-    if not 0 <= start < end <= layers.block_count:
-        raise ShardError(
-            f"layer range {start}:{end} is not within the model's {layers.block_count} layers "
-            f"(need 0 <= A < B <= {layers.block_count})"
-        )
+    check_layer_range(layers.block_count, start, end)
     overrides = {
         f"{arch}.block_count": encode_entry(f"{arch}.block_count", end - start, _UINT32),
         KEY_SOURCE_MODEL: encode_entry(KEY_SOURCE_MODEL, layers.name, STRING),

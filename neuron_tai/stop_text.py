@@ -1,9 +1,8 @@
 """Stop strings on generated text, across token boundaries.
 
 The model produces tokens; a stop string is text. It can begin in one token and end in
-the next, so the matcher keeps the whole text and releases only what can no longer be
-the start of a stop string: a streaming client never sees text that a later token turns
-into a stop.
+the next, so the matcher keeps the text and releases only what can no longer be the start
+of a stop string: a streaming client never sees text that a later token turns into a stop.
 """
 
 from __future__ import annotations
@@ -13,22 +12,24 @@ from dataclasses import dataclass, field
 
 @dataclass(slots=True)
 class StopText:
-    """Feed the detokenized text so far; get back what may be shown and whether a stop string was hit."""
+    """Push the text of each reply; get back what may be shown and whether a stop string was hit."""
 
     stops: tuple[str, ...]
-    text: str = ""
+    text: str = ""  # the output so far, cut before the stop string once one is found
     shown: int = 0  # characters of `text` already released
     stopped: bool = field(default=False)
 
-    def feed(self, text: str) -> str:
-        """`text` is the whole output so far (it only grows). Returns the newly releasable part."""
-        self.text = text
+    def push(self, piece: str) -> str:
+        """`piece` is the output's next text. Returns the newly releasable part."""
+        if self.stopped or not piece:
+            return ""
+        self.text += piece
         cut = self._first_stop()
         if cut is not None:
             self.stopped = True
-            self.text = text[:cut]
+            self.text = self.text[:cut]
             return self._release(cut)
-        return self._release(len(text) - self._held_back())
+        return self._release(len(self.text) - self._held_back())
 
     def flush(self) -> str:
         """The end of the output: release whatever was held back."""
@@ -50,8 +51,6 @@ class StopText:
         return longest
 
     def _release(self, upto: int) -> str:
-        if upto <= self.shown:
-            return ""
-        out = self.text[self.shown : upto]
-        self.shown = upto
+        out = self.text[self.shown : upto]  # empty unless `upto` is past what was shown
+        self.shown = max(self.shown, upto)
         return out

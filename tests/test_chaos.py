@@ -89,7 +89,7 @@ def _reply_outcome(sent: dict[str, object], messages: list[list[bytes]]) -> str:
     """What a head makes of the fake stage's answer: `downstream`, or what it would relay."""
     for frames in messages:
         try:
-            header, payload = wire.decode_reply(frames, wire.NEXT_STAGE_REPLY_LIMITS)
+            header, payload = wire.parse_reply(frames, wire.NEXT_STAGE_REPLY_LIMITS)
         except wire.WireError:
             continue  # unreadable: dropped, the request times out
         if header.get("rid") != sent["rid"] or type(header.get("rid")) is not int:

@@ -29,8 +29,8 @@ from engine.messages import (
     StepDone,
     StepRequest,
 )
-from protocol.sampling import Sampling
 from protocol.errors import ErrorCode
+from protocol.sampling import Sampling
 from tests.held import held_decodes, wait_until
 
 

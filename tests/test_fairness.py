@@ -40,13 +40,13 @@ async def test_closes_are_answered_while_the_connection_holds_its_cap_of_handler
                 await wait_until(entered.is_set)  # the engine is inside llama_decode, and stays there
                 for i in range(1, 4):
                     nursery.start_soon(step, i)
-                await wait_until(lambda: node.handlers == 4)
+                await wait_until(lambda: node.pool.active == 4)
                 with pytest.raises(NodeError) as info:
                     await c.open("s4", 10)  # a fifth task for this connection: refused
                 assert info.value.code == "busy"
                 assert await c.close("nope") is False  # nothing to close: answered at once, engine held or not
                 nursery.start_soon(close, "s3")  # a real close: no task, no queue, answered once it is done
-                await wait_until(lambda: node.closing)
+                await wait_until(lambda: node.sessions.closing)
                 assert await c.close("s3") is False  # its close is under way: answered at once
                 stats = await c.stats()
                 assert stats["closes_pending"] == 1 and stats["handlers_refused_total"] == 1
@@ -78,7 +78,7 @@ async def test_a_connection_past_its_queue_share_is_busy_and_another_is_served(t
                                        "input": "tokens", "out": "token"}, int32([1]))  # fmt: skip
                     refused = [await attacker.recv() for _ in range(3)]  # at once, while the engine is held
                     nursery.start_soon(step, "v2")  # the victim's second step is queued, not refused
-                    await wait_until(lambda: node.handlers == 4)  # v1's, v2's and the two queued ones
+                    await wait_until(lambda: node.pool.active == 4)  # v1's, v2's and the two queued ones
                     release.set()
                     late = [await attacker.recv() for _ in range(2)]
         finally:
@@ -129,10 +129,10 @@ async def test_a_flood_during_a_long_decode_leaves_another_connection_its_room(t
                     while replies[-1]["op"] != "pong":  # the node has read the whole flood
                         replies.append((await attacker.recv())[0])
                     # Every request of the flood has been answered or waits in the engine's queue.
-                    await wait_until(lambda: node.handlers == 1 + inbox().current_buffer_used)
+                    await wait_until(lambda: node.pool.active == 1 + inbox().current_buffer_used)
                     nursery.start_soon(step, "v2")  # queued: room is left for it (refused, it would raise)
-                    waiting = node.handlers + 1
-                    await wait_until(lambda: node.handlers == waiting == 1 + inbox().current_buffer_used)
+                    waiting = node.pool.active + 1
+                    await wait_until(lambda: node.pool.active == waiting == 1 + inbox().current_buffer_used)
                     release.set()
                 while len(replies) < 601:
                     replies.append((await attacker.recv())[0])
@@ -161,4 +161,4 @@ async def test_a_second_close_of_a_generating_session_does_not_wait(tiny_model: 
             release.set()
             replies = [(await peer.recv())[0] for _ in range(2)]
         assert [(r["op"], r["rid"]) for r in replies] == [("done", 2), ("closed", 3)] and replies[1]["existed"]
-        assert node.stats()["sessions_active"] == 0 and not node.closing
+        assert node.stats()["sessions_active"] == 0 and not node.sessions.closing

@@ -82,17 +82,18 @@ async def node_stats(node: str) -> dict[str, Any]:
 
 def test_stop_text_holds_back_a_possible_start_and_cuts_at_the_stop() -> None:
     stop = StopText(("END",))
-    assert stop.feed("abcE") == "abc"  # "E" could begin "END"
-    assert stop.feed("abcEN") == ""
-    assert stop.feed("abcENx") == "ENx"  # it did not
-    assert stop.feed("abcENxyEND and more") == "y"
+    assert stop.push("abcE") == "abc"  # "E" could begin "END"
+    assert stop.push("N") == ""
+    assert stop.push("x") == "ENx"  # it did not
+    assert stop.push("yEND and more") == "y"
     assert stop.stopped
     assert stop.text == "abcENxy"
+    assert stop.push("more") == "" and stop.flush() == ""
 
 
 def test_stop_text_flush_releases_what_was_held() -> None:
     stop = StopText(("\n\n", "###"))
-    assert stop.feed("line\n") == "line"
+    assert stop.push("line\n") == "line"
     assert stop.flush() == "\n"
     assert not stop.stopped
 
@@ -210,17 +211,19 @@ async def test_stop_strings_cut_the_text_also_across_a_token_boundary(node: str)
 
 async def test_errors_are_openai_shaped_with_http_status(node: str) -> None:
     async with gateway(node) as base, httpx.AsyncClient(base_url=base) as http:
-        reply = await http.post("/completions", json={"prompt": "x", "n": 2})
+        reply = await http.post("/completions", json={"model": "tiny", "prompt": "x", "n": 2})
         assert reply.status_code == 400
         assert reply.json()["error"]["param"] == "n"
         assert set(reply.json()["error"]) == {"message", "type", "param", "code"}
         reply = await http.post("/completions", content=b"{not json", headers={"Content-Type": "application/json"})
         assert reply.status_code == 400 and "JSON" in reply.json()["error"]["message"]
-        reply = await http.post("/chat/completions", json={"messages": []})
+        reply = await http.post("/chat/completions", json={"model": "tiny", "messages": []})
         assert reply.status_code == 400 and reply.json()["error"]["param"] == "messages"
-        reply = await http.post("/completions", json={"prompt": "x", "temperature": 9})
+        reply = await http.post("/completions", json={"model": "tiny", "prompt": "x", "temperature": 9})
         assert reply.status_code == 400 and reply.json()["error"]["param"] == "temperature"
-        reply = await http.post("/completions", json={"prompt": [1, 10**6]})  # a token outside the vocabulary
+        reply = await http.post(
+            "/completions", json={"model": "tiny", "prompt": [1, 10**6]}
+        )  # a token outside the vocabulary
         assert reply.status_code == 400
         assert (await http.get("/models")).json()["data"][0]["id"] == "tiny"
         assert (await http.get(base.removesuffix("/v1") + "/health")).json() == {"status": "ok"}
@@ -235,15 +238,19 @@ async def test_a_full_node_is_429_with_retry_after(tiny_model: Path) -> None:
         async with open_client(proc.address) as holder, gateway(proc.address) as base:
             await holder.open("held", 16)
             async with httpx.AsyncClient(base_url=base) as http:
-                reply = await http.post("/completions", json={"prompt": PROMPT, "max_tokens": 4})
+                reply = await http.post("/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 4})
                 assert reply.status_code == 429
                 assert int(reply.headers["Retry-After"]) >= 1
                 assert reply.json()["error"]["code"] == "session_limit"
-                streamed = await http.post("/completions", json={"prompt": PROMPT, "max_tokens": 4, "stream": True})
+                streamed = await http.post(
+                    "/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "stream": True}
+                )
                 assert streamed.status_code == 429
             await holder.close("held")
             async with httpx.AsyncClient(base_url=base) as http:
-                assert (await http.post("/completions", json={"prompt": PROMPT, "max_tokens": 4})).status_code == 200
+                assert (
+                    await http.post("/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 4})
+                ).status_code == 200
 
 
 async def test_a_node_with_nothing_listening_is_502() -> None:
@@ -251,7 +258,7 @@ async def test_a_node_with_nothing_listening_is_502() -> None:
         gateway(f"tcp://127.0.0.1:{_free_port()}", timeout_s=0.5) as base,
         httpx.AsyncClient(base_url=base) as http,
     ):
-        reply = await http.post("/completions", json={"prompt": "hello", "max_tokens": 4})
+        reply = await http.post("/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 4})
         assert reply.status_code == 502
         assert reply.json()["error"]["code"] == "node_unreachable"
         assert (await http.get(base.removesuffix("/v1") + "/health")).status_code == 503
@@ -259,7 +266,14 @@ async def test_a_node_with_nothing_listening_is_502() -> None:
 
 async def test_a_client_that_disconnects_mid_stream_leaves_no_session(node: str) -> None:
     async with gateway(node) as base, httpx.AsyncClient(base_url=base, timeout=30) as http:
-        body = {"prompt": PROMPT, "max_tokens": 900, "temperature": 0, "stream": True, "ignore_eos": True}
+        body = {
+            "model": "tiny",
+            "prompt": PROMPT,
+            "max_tokens": 900,
+            "temperature": 0,
+            "stream": True,
+            "ignore_eos": True,
+        }
         async with http.stream("POST", "/completions", json=body) as reply:
             assert reply.status_code == 200
             async for line in reply.aiter_lines():
@@ -277,8 +291,8 @@ async def test_a_client_that_disconnects_mid_stream_leaves_no_session(node: str)
 
 async def test_metrics_count_requests_and_carry_the_nodes_stats(node: str) -> None:
     async with gateway(node) as base, httpx.AsyncClient(base_url=base) as http:
-        await http.post("/completions", json={"prompt": PROMPT, "max_tokens": 2})
-        await http.post("/completions", json={"prompt": PROMPT, "n": 3})
+        await http.post("/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 2})
+        await http.post("/completions", json={"model": "tiny", "prompt": PROMPT, "n": 3})
         text = (await http.get(base.removesuffix("/v1") + "/metrics")).text
     assert 'neuron_tai_gateway_requests_total{endpoint="/v1/completions",status="200"} 1.0' in text
     assert 'neuron_tai_gateway_requests_total{endpoint="/v1/completions",status="400"} 1.0' in text

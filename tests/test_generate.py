@@ -55,7 +55,7 @@ async def generate(client: Client, session: str, pos: int, ids: list[int], max_n
 
 def stop_asked(node: Node) -> bool:
     """The node's running generates have all been asked to stop."""
-    return bool(node.generations) and all(run.cancel.is_set() for run in node.generations.values())
+    return bool(node.generations.runs) and all(run.cancel.is_set() for run in node.generations.runs.values())
 
 
 class RawPeer:
@@ -266,7 +266,7 @@ async def test_a_vanished_reader_ends_the_run_and_frees_the_session(tiny_model: 
                    "ignore_eog": True}, int32(IDS))  # fmt: skip
         assert (await peer.recv())[0]["op"] == "generated"
         peer.close()  # vanish mid-run
-        await wait_until(lambda: not node.generations and not node.engine.scheduler.sessions)
+        await wait_until(lambda: not node.generations.runs and not node.engine.scheduler.sessions)
         stats = await watcher.stats()
         assert stats["sessions_active"] == 0 and stats["peers_gone_total"] >= 1
         assert stats["generated_tokens_total"] < 900

@@ -135,6 +135,27 @@ def test_nested_and_huge_headers_do_not_stop_the_node(tiny_model: Path) -> None:
         assert opened["op"] == "opened"
 
 
+def test_a_header_refused_unread_is_answered_with_its_rid(tiny_model: Path) -> None:
+    """PROTOCOL.md, Framing: too large or too complex to parse, yet answered with its rid.
+    Both sizes are over the header limit (1 MiB of text plus 64 KiB) and under the node's
+    max_message_bytes (64 MiB), so ZeroMQ delivers them and the node itself answers."""
+    with node_process(tiny_model) as (node, ctx):
+        peer = Peer(ctx, node.address)
+        for size in (1_500_000, 24_000_000):
+            refused, _ = peer.request("tokenize", text="x" * size)  # the rid comes first in the map
+            assert refused["code"] == "too_large" and "retry_after_ms" not in refused, refused
+            rid = next(peer.rids)  # and the rid after the text: the scan steps over the text
+            peer.sock.send_multipart([pack({"v": 1, "op": "tokenize", "text": "x" * size, "rid": rid})])
+            refused, _ = peer.recv()
+            assert refused["code"] == "too_large" and refused["rid"] == rid, refused
+        rid = next(peer.rids)
+        deep = b"\x83" + pack("v") + pack(1) + pack("rid") + pack(rid) + pack("op") + b"\x91" * 100 + b"\xc0"
+        peer.sock.send_multipart([deep])
+        refused, _ = peer.recv()
+        assert refused["code"] == "bad_request" and refused["rid"] == rid, refused
+        assert peer.request("ping")[0]["op"] == "pong"
+
+
 def test_max_size_tokenize_runs_off_the_event_loop(tiny_model: Path) -> None:
     limit = 2**20
     words = np.random.default_rng(0).choice(["the", "cat", "sat", "on", "a", "mat"], size=limit // 2)

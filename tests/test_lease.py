@@ -15,6 +15,7 @@ from bench.processes import free_ports
 from neuron_tai.client import Client, NodeError, open_client
 from neuron_tai.downstream import NextStage
 from tests.nodes import NodeProcess, running
+from transport import wire
 from transport.wire import encode
 
 LEASE = ["--lease", "1"]
@@ -151,7 +152,7 @@ async def test_the_link_never_replays_old_work_and_keeps_its_identity() -> None:
             await nursery.start(link.run)
             assert await link.request({"op": "open", "session": "old", "max_tokens": 8}) is None
             # Queued while down: held back, then dropped, never sent late.
-            assert link.core.send_nowait({"op": "open", "session": "older", "max_tokens": 8})
+            assert link.core.send_nowait(wire.Open(0, "older", 8))
             # And straight into the socket: ZMQ_IMMEDIATE refuses it instead of keeping it for later.
             assert not link.sock.try_send(encode({"op": "open", "rid": 0, "session": "oldest", "max_tokens": 8}))
             seen = []

@@ -373,7 +373,7 @@ def test_cli_serve_help_and_stats(tiny_model: Path, capsys: pytest.CaptureFixtur
     node_port, metrics_port, nobody = free_ports(3)
     node = NodeProcess(tiny_model, f"tcp://127.0.0.1:{node_port}", ["--metrics-port", str(metrics_port)])
     with running(node):
-        assert main(["stats", "--addr", node.address]) == 0
+        assert main(["stats", "--json", "--addr", node.address]) == 0
         out = capsys.readouterr().out
         assert "sessions_active" in out and "kv_budget_bytes" in out
         for bound in ("max_peer_reply_bytes", "max_reply_bytes", "max_peer_request_bytes", "max_request_bytes"):
@@ -383,8 +383,8 @@ def test_cli_serve_help_and_stats(tiny_model: Path, capsys: pytest.CaptureFixtur
         assert main(["generate", "--addr", node.address, "--max-tokens", "4", "--step-loop", "the cat"]) == 0
         assert capsys.readouterr().out == on_node  # greedy: the same text either way
         assert node.stop() == 0
-    assert main(["stats", "--addr", f"tcp://127.0.0.1:{nobody}", "--timeout", "0.2"]) == 2
-    assert "no reply to 'stats'" in capsys.readouterr().err
+    assert main(["stats", "--addr", f"tcp://127.0.0.1:{nobody}", "--timeout", "0.2"]) == 1
+    assert f"no node answered at tcp://127.0.0.1:{nobody}" in capsys.readouterr().err
 
 
 async def test_a_fault_while_handling_a_message_is_internal_for_that_message(
@@ -538,3 +538,13 @@ async def test_micro_batched_chain_is_bit_identical_to_one_node(tiny_model: Path
     for call in calls:
         assert len({group[key[1]] for key, *_ in call.chunks}) == 1, "a call mixed micro-batches"
     assert sum(1 for call in calls for chunk in call.chunks if chunk[3]) == len(prompts) * steps
+
+
+async def test_a_node_that_cannot_bind_fails_at_once_and_closes_its_socket(tiny_model: Path) -> None:
+    """The second node on a port raises the bind error; its socket is closed, so leaving the
+    ZeroMQ context does not wait for it (the hang guard is far above any normal start)."""
+    async with open_node(NodeConfig(engine_config(tiny_model), bind="tcp://127.0.0.1:0")) as first:
+        with trio.fail_after(120), pytest.raises(zmq.ZMQError) as failed:
+            async with open_node(NodeConfig(engine_config(tiny_model), bind=first.address)):
+                pass
+        assert failed.value.errno == zmq.EADDRINUSE

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import zmq
 
-from protocol.errors import ErrorCode
+from protocol.errors import ErrorCode, Fault
 from tests.nodes import NodeProcess, running
 from transport import wire
 
@@ -125,8 +125,10 @@ def test_wire_errors_are_documented_with_their_retry_hint() -> None:
     }
     assert None not in produced and produced <= set(table), produced
     for code, documented in table.items():
-        header, _ = wire.decode_reply(wire.encode_error(1, ErrorCode(code), "m", 5))
+        header, _ = wire.parse_reply(wire.encode_error(1, ErrorCode(code), "m", 5))
         assert ("retry_after_ms" in header) == documented, f"{code}: retry_after_ms in the reply vs the doc"
+        typed = wire.decode_reply(wire.encode_reply(wire.ErrorReply.of(Fault(ErrorCode(code), "m", 5), rid=1)))
+        assert isinstance(typed, wire.ErrorReply) and (typed.retry_after_ms is not None) == documented, code
 
 
 # -- operations ----------------------------------------------------------------------------

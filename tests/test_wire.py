@@ -21,11 +21,11 @@ from transport.wire import (
     Tokenize,
     WireError,
     check_reply,
-    decode_reply,
     decode_request,
     encode,
     encode_error,
     hidden_frame,
+    parse_reply,
     request_limits,
     show,
 )
@@ -102,12 +102,12 @@ def test_bad_requests_are_refused_with_code_and_rid(msg: list[bytes], code: str,
 
 
 def test_replies_encode() -> None:
-    header, payload = decode_reply(encode_error(3, ErrorCode.BUSY, "full"))
+    header, payload = parse_reply(encode_error(3, ErrorCode.BUSY, "full"))
     assert header == {"v": 1, "op": "error", "rid": 3, "code": "busy", "message": "full", "retry_after_ms": 100}
-    header, _ = decode_reply(encode_error(None, ErrorCode.BAD_REQUEST, "x"))
+    header, _ = parse_reply(encode_error(None, ErrorCode.BAD_REQUEST, "x"))
     assert header["rid"] is None and "retry_after_ms" not in header
     h = np.ones((2, 3), np.float32)
-    header, payload = decode_reply(encode({"op": "result", "rid": 1}, hidden_frame(h, "f16")))
+    header, payload = parse_reply(encode({"op": "result", "rid": 1}, hidden_frame(h, "f16")))
     assert np.frombuffer(payload[0], "<f2").tolist() == [1.0] * 6
 
 
@@ -329,7 +329,7 @@ def test_malformed_replies_are_downstream(sent: dict[str, Any], header: dict[str
 @given(st.lists(st.binary(max_size=64), min_size=1, max_size=3))
 def test_reply_bytes_decode_or_are_downstream(raw: list[bytes]) -> None:
     try:
-        header, payload = decode_reply(raw)
+        header, payload = parse_reply(raw)
         check_reply(SENT_STEP, header, payload, N_EMBD, 100)
     except WireError as exc:
         assert exc.code == "downstream"

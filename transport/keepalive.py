@@ -13,6 +13,7 @@ from __future__ import annotations
 import trio
 
 from transport.requester import Abandoned, ClientClosed, OutboxFull, Requester
+from transport.wire import Ping
 
 
 class LeaseKeeper:
@@ -53,7 +54,7 @@ class LeaseKeeper:
                 await trio.sleep_until(due)
                 continue
             try:
-                await self.core.request({"op": "ping"}, [], interval)
+                await self.core.request(Ping(0), interval)
                 self.pings += 1
             except (TimeoutError, OutboxFull, Abandoned):
                 continue  # the send itself renewed `last_sent`: the next one is due a quarter lease on

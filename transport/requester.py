@@ -12,6 +12,7 @@ one raises `ClientClosed` at once instead of waiting out its timeout.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import AsyncGenerator, Collection
@@ -23,9 +24,10 @@ import trio
 from transport.memory_bounds import MAX_OUTBOX_BYTES
 from transport.pump import SocketPump
 from transport.trio_zmq import TrioSocket
-from transport.wire import REPLY_LIMITS, HeaderLimits, WireError, decode_reply, encode
+from transport.wire import REPLY_LIMITS, Fault, HeaderLimits, Request, encode_request, op_of, parse_reply
 
-Reply = tuple[dict[str, Any], list[bytes]]  # header, payload frames
+RawReply = tuple[dict[str, Any], list[bytes]]  # a reply's parsed header and payload frames, its keys unread
+Reply = RawReply  # the node's name for it, until it reads typed replies
 
 
 class ClientClosed(ConnectionError):
@@ -45,7 +47,7 @@ class Abandoned(ClientClosed):
 class _Waiting:
     """Where the replies to one rid go; with `final_ops`, every reply until one of those ops."""
 
-    send: trio.MemorySendChannel[Reply]
+    send: trio.MemorySendChannel[RawReply]
     final_ops: Collection[str] | None = None
 
 
@@ -78,8 +80,8 @@ class Requester:
 
     def _on_message(self, frames: list[bytes]) -> None:
         try:
-            header, payload = decode_reply(frames, self.limits)
-        except WireError:  # a broken reply is the peer's fault; there is nothing to match it to
+            header, payload = parse_reply(frames, self.limits)
+        except Fault:  # a broken reply is the peer's fault; there is nothing to match it to
             self.dropped += 1
             return
         rid = header.get("rid")
@@ -104,59 +106,66 @@ class Requester:
         for entry in waiting.values():
             entry.send.close()
 
-    def send_nowait(self, header: dict[str, Any], payload: list[bytes] | None = None) -> bool:
-        """Send a request whose reply nobody waits for; False when it could not be queued."""
+    def _frames(self, request: Request, rid: int) -> list[bytes]:
+        return encode_request(dataclasses.replace(request, rid=rid))
+
+    def send_nowait(self, request: Request) -> bool:
+        """Send a request whose reply nobody waits for (its own `rid` is replaced); False when it
+        could not be queued."""
         if self.closed:
             return False
-        sent = self.pump.send_nowait(encode({**header, "rid": next(self._rids)}, *(payload or [])))
+        sent = self.pump.send_nowait(self._frames(request, next(self._rids)))
         if sent:
             self.last_sent = trio.current_time()
         return sent
 
-    def _gone(self, header: dict[str, Any], what: str) -> ConnectionError:
+    def _gone(self, op: str, what: str) -> ConnectionError:
         if self.closed:
-            return ClientClosed(f"{header.get('op')!r}: {what}")
-        return Abandoned(f"{header.get('op')!r}: given up while waiting (the link went down?)")
+            return ClientClosed(f"{op!r}: {what}")
+        return Abandoned(f"{op!r}: given up while waiting (the link went down?)")
 
-    async def request(self, header: dict[str, Any], payload: list[bytes], timeout_s: float) -> Reply:
-        """The reply, `error` replies included. TimeoutError, ClientClosed or OutboxFull otherwise."""
+    async def request(self, request: Request, timeout_s: float) -> RawReply:
+        """The reply to `request` (sent with a rid of this requester's own), `error` replies
+        included. TimeoutError, ClientClosed or OutboxFull otherwise."""
+        op = op_of(request)
         if self.closed:
             await trio.lowlevel.checkpoint_if_cancelled()  # a cancelled caller sees Cancelled
-            raise ClientClosed(f"{header.get('op')!r}: the client is closed")
+            raise ClientClosed(f"{op!r}: the client is closed")
         rid = next(self._rids)
-        send, recv = trio.open_memory_channel[Reply](1)
+        send, recv = trio.open_memory_channel[RawReply](1)
         self._waiting[rid] = _Waiting(send)
         try:
-            if not self.pump.send_nowait(encode({**header, "rid": rid}, *payload)):
+            if not self.pump.send_nowait(self._frames(request, rid)):
                 await trio.lowlevel.checkpoint()
-                raise OutboxFull(f"{header.get('op')!r}: the outbox is full")
+                raise OutboxFull(f"{op!r}: the outbox is full")
             self.last_sent = trio.current_time()
             with trio.move_on_after(timeout_s):
                 try:
                     return await recv.receive()
                 except trio.EndOfChannel:
                     await trio.lowlevel.checkpoint_if_cancelled()
-                    raise self._gone(header, "the client closed while waiting") from None
-            raise TimeoutError(f"no reply to {header.get('op')!r} within {timeout_s}s")
+                    raise self._gone(op, "the client closed while waiting") from None
+            raise TimeoutError(f"no reply to {op!r} within {timeout_s:g} s")
         finally:
             self._waiting.pop(rid, None)
 
     async def stream(
-        self, header: dict[str, Any], payload: list[bytes], timeout_s: float, *, final_ops: Collection[str], most: int
-    ) -> AsyncGenerator[Reply, None]:
+        self, request: Request, timeout_s: float, *, final_ops: Collection[str], most: int
+    ) -> AsyncGenerator[RawReply, None]:
         """Every reply to one request up to and including the first whose op is in `final_ops` (or
         an `error`). At most `most` replies are buffered; each must come within `timeout_s` of the
         one before. TimeoutError, ClientClosed or OutboxFull otherwise."""
+        op = op_of(request)
         if self.closed:
             await trio.lowlevel.checkpoint_if_cancelled()
-            raise ClientClosed(f"{header.get('op')!r}: the client is closed")
+            raise ClientClosed(f"{op!r}: the client is closed")
         rid = next(self._rids)
-        send, recv = trio.open_memory_channel[Reply](most)
+        send, recv = trio.open_memory_channel[RawReply](most)
         self._waiting[rid] = _Waiting(send, final_ops)
         try:
-            if not self.pump.send_nowait(encode({**header, "rid": rid}, *payload)):
+            if not self.pump.send_nowait(self._frames(request, rid)):
                 await trio.lowlevel.checkpoint()
-                raise OutboxFull(f"{header.get('op')!r}: the outbox is full")
+                raise OutboxFull(f"{op!r}: the outbox is full")
             self.last_sent = trio.current_time()
             while True:
                 reply = None
@@ -165,9 +174,9 @@ class Requester:
                         reply = await recv.receive()
                     except trio.EndOfChannel:
                         await trio.lowlevel.checkpoint_if_cancelled()
-                        raise self._gone(header, "the reply stream ended early") from None
+                        raise self._gone(op, "the reply stream ended early") from None
                 if reply is None:
-                    raise TimeoutError(f"no reply to {header.get('op')!r} within {timeout_s}s")
+                    raise TimeoutError(f"no reply to {op!r} within {timeout_s:g} s")
                 yield reply
                 if reply[0].get("op") in final_ops or reply[0].get("op") == "error":
                     return

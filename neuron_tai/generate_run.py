@@ -1,0 +1,187 @@
+"""The token loop of server-side `generate`: step, sample, feed the token back, stream.
+
+Every token is one ordinary step (so it batches with every other session's), fed the
+token the step before it sampled; the step's outcome says the session's length and
+`max_tokens`, so the loop never asks the engine where the session stands. Tokens are held
+back (and later sent several to a message) while the peer's pipe is full, so a slow
+reader costs one growing list bounded by `max_new`, not a message queue.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+import trio
+
+from engine.engine import Engine
+from neuron_tai.generation import MAX_PENDING_CANCELS, EndReason, EndRule, Generation
+from neuron_tai.handler_pool import HandlerPool, Held
+from neuron_tai.outbox import Outbox
+from neuron_tai.steps import SessionGate, StepOutcome, StepRunner
+from protocol.errors import ErrorCode, Fault
+from transport import wire
+
+Key = tuple[bytes, str]
+
+
+@dataclass(slots=True)
+class _Progress:
+    """Where one run stands: the next step's position and input, what it produced, what is unsent."""
+
+    pos: int
+    feed: npt.NDArray[np.int32]
+    produced: list[int] = field(default_factory=list)
+    unsent: int = 0  # the last `unsent` tokens of `produced` are not streamed yet
+
+
+class Generations:
+    """Owns the running generates, by session."""
+
+    def __init__(self, engine: Engine, steps: StepRunner, gate: SessionGate, pool: HandlerPool, outbox: Outbox) -> None:
+        self.engine = engine
+        self.steps = steps
+        self.gate = gate
+        self.pool = pool
+        self.outbox = outbox
+        self.runs: dict[Key, Generation] = {}
+        self.tokens_total = 0
+
+    def start(self, peer: bytes, req: wire.Generate) -> None:
+        """Refuse at once what needs no engine; otherwise the run holds the session until `done`."""
+        stage, key = self.steps.stage, (peer, req.session)
+        fault = None
+        if not stage.first:
+            where = f"this stage (layers {stage.layers}) takes hidden input: generate at the chain's head"
+            fault = Fault(ErrorCode.WRONG_STAGE, where)
+        elif self.steps.forwarder is None and not stage.last:
+            why = f"this stage (layers {stage.layers}) cannot sample tokens and has no next stage"
+            fault = Fault(ErrorCode.WRONG_STAGE, why)
+        else:
+            fault = self.steps.too_large(req.n)
+        if fault is not None:
+            self.outbox.error(peer, req.rid, fault)
+            return
+        if key in self.gate and self.engine.max_tokens_of(peer, req.session) is not None:
+            self.outbox.busy(peer, req.rid, "the session already has a step in flight")
+            return
+        run, hold = Generation(), Held(self.steps.held_bytes(req.n, req.tokens.nbytes))
+
+        async def work() -> None:
+            await self._run(peer, req, run, hold)
+
+        if self.pool.spawn(peer, req.rid, work, held=hold, on_exit=lambda: self._ended(key, run)):
+            self.gate.enter(key)
+            self.runs[key] = run
+
+    def cancel(self, peer: bytes, req: wire.Cancel) -> None:
+        """A session that is not generating is answered at once; otherwise once its `done` is out
+        (the run answers its cancels as it ends: no task, so a cancel is never refused for room)."""
+        run = self.runs.get((peer, req.session))
+        if run is None:
+            self.outbox.send(peer, _cancelled(req.rid, req.session, self.engine.length_of(peer, req.session) or 0))
+        elif len(run.cancels) >= MAX_PENDING_CANCELS:
+            why = f"this session's generation already has {MAX_PENDING_CANCELS} cancels waiting for its end"
+            self.outbox.busy(peer, req.rid, why)
+        else:
+            run.cancels.append(req.rid)
+            run.cancel.set()
+
+    def stop_all(self, peer: bytes) -> None:
+        """The peer is gone: its runs end at their next token."""
+        for key, run in self.runs.items():
+            if key[0] == peer:
+                run.cancel.set()
+
+    def _ended(self, key: Key, run: Generation) -> None:
+        for rid in run.cancels:  # after the run's `done`
+            self.outbox.send(key[0], _cancelled(rid, key[1], run.length))
+        if self.runs.get(key) is run:
+            del self.runs[key]
+        self.gate.leave(key)
+        if run.then_close is not None:  # its `done` is out: now the close it was stopped for
+            run.then_close()
+
+    async def _run(self, peer: bytes, req: wire.Generate, run: Generation, hold: Held) -> None:
+        """Step until a token or `cancel` ends the run; then `done` (or the error that ended it)."""
+        rule = EndRule(req.max_new, req.stop, frozenset() if req.ignore_eog else self.engine.eog_tokens)
+        progress = _Progress(req.pos, req.tokens)
+        reason: EndReason | None = None
+        while reason is None:
+            if run.cancel.is_set():
+                reason = EndReason.CANCELLED
+                break
+            step = wire.Step(
+                req.rid, req.session, progress.pos, len(progress.feed), "tokens", "token", "f32", tokens=progress.feed
+            )
+            outcome = await self.steps.run(peer, step)
+            if isinstance(outcome, Fault) and outcome.code is ErrorCode.BUSY and progress.produced:
+                # A full queue mid-run is this node's own congestion: the run waits its turn
+                # (a one-token step always fits again) instead of failing the client's generation.
+                await trio.sleep(max(outcome.retry_after_ms or 0, 1) / 1000)
+                continue
+            if isinstance(outcome, Fault):
+                self._failed(peer, req, run, progress, outcome)
+                return
+            if not progress.produced:  # from now on each step is one token: it holds that much
+                self.pool.release(peer, hold, self.steps.held_bytes(1, req.tokens.nbytes))
+            reason = self._advance(progress, outcome, rule)
+            if not self._stream(peer, req, progress, flush=reason is not None):
+                return  # the peer is gone: its session is being freed
+        self._done(peer, req, run, progress, reason)
+
+    def _advance(self, progress: _Progress, outcome: StepOutcome, rule: EndRule) -> EndReason | None:
+        assert outcome.token is not None
+        token = outcome.token
+        progress.produced.append(token)
+        progress.unsent += 1
+        self.tokens_total += 1
+        progress.pos, progress.feed = outcome.length, np.array([token], np.int32)
+        return rule.reason(token, len(progress.produced), outcome.length, outcome.max_tokens)
+
+    def _stream(self, peer: bytes, req: wire.Generate, progress: _Progress, *, flush: bool) -> bool:
+        """Stream the unsent tokens as one `generated` message unless the peer's pipe is full."""
+        if not req.stream or not progress.unsent or not (flush or not self.outbox.pump.backlog(peer)):
+            return True
+        first = len(progress.produced) - progress.unsent
+        header = {
+            "op": "generated",
+            "rid": req.rid,
+            "session": req.session,
+            "pos": req.pos + req.n + first,
+            "n": progress.unsent,
+        }
+        progress.unsent = 0
+        ids = np.array(progress.produced[first:], "<i4").tobytes()
+        return self.outbox.deliver(peer, req.session, wire.encode(header, ids))
+
+    def _failed(self, peer: bytes, req: wire.Generate, run: Generation, progress: _Progress, fault: Fault) -> None:
+        """The session keeps every token streamed before the error; `length` says where it stands."""
+        if not self._stream(peer, req, progress, flush=True):
+            return
+        run.length = progress.pos if progress.produced else (self.engine.length_of(peer, req.session) or 0)
+        frames = wire.encode_error(
+            req.rid, fault.code, fault.message, fault.retry_after_ms, session=req.session, length=run.length
+        )
+        self.outbox.send(peer, frames)
+
+    def _done(
+        self, peer: bytes, req: wire.Generate, run: Generation, progress: _Progress, reason: EndReason | None
+    ) -> None:
+        produced = progress.produced
+        run.length = progress.pos if produced else (self.engine.length_of(peer, req.session) or 0)
+        header = {
+            "op": "done",
+            "rid": req.rid,
+            "session": req.session,
+            "reason": str(reason),
+            "generated": len(produced),
+            "length": run.length,
+        }
+        payload = [] if req.stream else [np.array(produced, "<i4").tobytes()]
+        self.outbox.deliver(peer, req.session, wire.encode(header, *payload))
+
+
+def _cancelled(rid: int, session: str, length: int) -> list[bytes]:
+    return wire.encode({"op": "cancelled", "rid": rid, "session": session, "length": length})

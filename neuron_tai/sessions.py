@@ -1,0 +1,102 @@
+"""Opening and closing sessions: in the engine, and on a chain's next stage.
+
+An `open` is admitted by the engine first, then (with a next stage) opened there; if
+the next stage does not open it, nothing stays open anywhere. A `close` is never
+refused and never a task: with nothing to close (or its close already under way) it
+is answered `existed: false` at once; otherwise the engine's cleanup path closes it
+(after its run, if it is generating, has answered `done`) and then it is answered. At
+most one close per session waits, so a flood of closes holds no more than the
+sessions do.
+"""
+
+from __future__ import annotations
+
+from engine.engine import Engine
+from engine.messages import CloseRequest, Opened, OpenRequest
+from neuron_tai.forwarding import Forwarder
+from neuron_tai.generate_run import Generations
+from neuron_tai.outbox import Outbox
+from protocol.errors import Fault
+from protocol.stage import Stage
+from transport import wire
+
+Key = tuple[bytes, str]
+
+
+def stage_map(stage: Stage) -> dict[str, object]:
+    """`opened.stage` as the wire carries it."""
+    return {
+        "first": stage.first,
+        "last": stage.last,
+        "layers": list(stage.layers),
+        "n_embd": stage.n_embd,
+        "n_vocab": stage.n_vocab,
+        "model": stage.model,
+        "max_step_tokens": stage.max_step_tokens,
+        "eog_tokens": list(stage.eog_tokens),
+    }
+
+
+class SessionDesk:
+    def __init__(
+        self, engine: Engine, outbox: Outbox, generations: Generations, forwarder: Forwarder | None, lease_ms: int
+    ) -> None:
+        self.engine = engine
+        self.outbox = outbox
+        self.generations = generations
+        self.forwarder = forwarder
+        self.lease_ms = lease_ms
+        self.closing: dict[Key, int] = {}  # sessions whose close is under way: the close's rid
+
+    async def open(self, peer: bytes, req: wire.Open) -> None:
+        request = OpenRequest(peer, req.session, req.max_tokens, req.sampling, req.wait_ms)
+        opened = await self.engine.request(request)
+        if isinstance(opened, Fault):
+            self.outbox.relay(peer, req.rid, opened)
+            return
+        assert isinstance(opened, Opened)
+        stage = self.engine.stage
+        if self.forwarder is not None:
+            chained = await self.forwarder.open(peer, req, stage)
+            if isinstance(chained, Fault):
+                await self.engine.cleanup(CloseRequest(peer, req.session))  # nothing is opened anywhere
+                self.outbox.relay(peer, req.rid, chained)
+                return
+            if self.engine.max_tokens_of(peer, req.session) is None:  # freed meanwhile: free it there too
+                self.forwarder.session_freed(peer, req.session)
+            stage = chained
+        header = {
+            "op": "opened",
+            "rid": req.rid,
+            "session": req.session,
+            "kv_reserved": opened.kv_reserved,
+            "stage": stage_map(stage),
+            "lease_ms": self.lease_ms,
+        }
+        self.outbox.deliver(peer, req.session, wire.encode(header))
+
+    def close(self, peer: bytes, req: wire.Close) -> None:
+        key = (peer, req.session)
+        run = self.generations.runs.get(key)
+        if key in self.closing or (run is None and self.engine.max_tokens_of(peer, req.session) is None):
+            self._closed(peer, req.rid, req.session, existed=False)
+            return
+        self.closing[key] = req.rid
+        if run is None:
+            self._close_in_engine(key)
+        else:
+            run.then_close = lambda: self._close_in_engine(key)
+            run.cancel.set()
+
+    def _close_in_engine(self, key: Key) -> None:
+        peer, session = key
+
+        def answer(existed: bool) -> None:  # in the engine task, once it has closed the session
+            rid = self.closing.pop(key, None)
+            if rid is not None:
+                self._closed(peer, rid, session, existed)  # its close on the next stage is queued by then
+
+        self.engine.cleanup_nowait(CloseRequest(peer, session), answer)
+
+    def _closed(self, peer: bytes, rid: int, session: str, existed: bool) -> None:
+        self.outbox.send(peer, wire.encode({"op": "closed", "rid": rid, "session": session, "existed": existed}))
