@@ -64,7 +64,7 @@ class EngineClient:
     async def step(self, session: str, pos: int, *, tokens: list[int], out: str) -> StepReply:
         request = StepRequest(OWNER, session, pos, Output(out), tokens=np.array(tokens, np.int32))
         done = _ok(await self.engine.request(request), StepDone)
-        return StepReply({"pos": done.pos, "n": done.n}, token=done.token, logits=done.logits)
+        return StepReply(None, token=done.token, logits=done.logits)  # no node answered: no wire result
 
     async def close_on_exit(self, session: str) -> None:
         with trio.CancelScope(shield=True):
