@@ -31,7 +31,7 @@ from bench.common import (
 )
 from engine.backend import ContextConfig, Segment, StageBackend
 from engine.messages import Output
-from neuron_tai.shard import write_stages
+from neuron_tai.shard import read_model_layers, stage_bounds, write_stages
 from testkit.local_chain import LocalChain
 
 COLUMNS = ["concurrency", "backend_tok_s", "bare_tok_s", "ratio", "outside_decode_share", "tokens_equal_bare"]
@@ -82,7 +82,8 @@ def split_exactness(model: Path, prompts: list[list[int]], steps: int) -> dict[s
 
     whole_tokens, whole_logits = run([model])
     result: dict[str, bool] = {}
-    for label, bounds in (("2stage", [(0, 6), (6, 18)]), ("3stage", [(0, 6), (6, 12), (12, 18)])):
+    n = read_model_layers(model).block_count  # gemma-3-270m: 0-6 6-18, and 0-6 6-12 12-18
+    for label, bounds in (("2stage", stage_bounds(n, split=[n // 3])), ("3stage", stage_bounds(n, stages=3))):
         shards = write_stages(model, WORK / "shards" / label, bounds)
         tokens, logits = run(shards)
         result[f"exact_{label}"] = tokens == whole_tokens

@@ -38,7 +38,7 @@ from bench.workload import Request
 from engine.config import EngineConfig
 from engine.engine import open_engine
 from neuron_tai.client import open_client
-from neuron_tai.shard import write_stages
+from neuron_tai.shard import read_model_layers, stage_bounds, write_stages
 
 COLUMNS = ["setup", "concurrency", "agg_tok_s", "engine_tok_s", "ratio"]
 SERVE = ["--max-sessions", "8", "--kv-cells", "4096", "--n-batch", "512", "--max-prefill", "64", "--log-level",
@@ -90,7 +90,8 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
     model = bench_model(quick=False)
-    shards = write_stages(model, WORK / "shards" / "chain2", [(0, 9), (9, 18)])
+    halves = stage_bounds(read_model_layers(model).block_count, stages=2)  # gemma-3-270m: 0-9, 9-18
+    shards = write_stages(model, WORK / "shards" / "chain2", halves)
     single, tail, head = (f"tcp://127.0.0.1:{port}" for port in free_ports(3))
     nodes = [("sweep-single", model, single, 2, []), ("sweep-chain2-tail", shards[1], tail, 1, []),
              ("sweep-chain2-head", shards[0], head, 1, ["--next", tail])]  # fmt: skip
@@ -101,7 +102,7 @@ def main() -> int:
         results = trio.run(sweep, args, model, {"single": single, "chain2": head})
     path = write_evidence(
         "node_sweep.json",
-        {"model": model.name, "steps": args.steps, "reps": args.reps, "chain2_layers": [[0, 9], [9, 18]],
+        {"model": model.name, "steps": args.steps, "reps": args.reps, "chain2_layers": [list(h) for h in halves],
          "results": results},
     )  # fmt: skip
     print()
