@@ -24,21 +24,20 @@ lint: setup
 bench-setup: setup
     {{py}} -m pip install -q -e ".[bench]"
 
-# Nodes, chain, peers at concurrency 1-16, proofs, burst (evidence/DGR-012); full: kernels, CURVE, stage costs, multi-host, gateway, chaos too.
-bench mode="full": bench-setup
-    status=0; \
-    {{py}} -m bench.report {{mode}} || status=$?; \
-    if [ "{{mode}}" = full ] && [ "$status" != 130 ]; then \
-        {{py}} -m bench.kernel_paths --reps 2 || status=1; \
-        {{py}} -m bench.curve_cost --reps 2 || status=1; \
-        {{py}} -m bench.stage_cost --reps 2 || status=1; \
-        {{py}} -m bench.multihost --out evidence/multihost.json || status=1; \
-        {{py}} -m bench.gateway_bench --out evidence/gateway.json || status=1; \
-        {{py}} -m bench.pipeline_evidence || status=1; \
-        {{py}} -m bench.attach || status=1; \
-        {{py}} -m bench.chaos || status=1; \
-    fi; \
-    exit $status
+# The model `just bench` measures beside its defaults' (a GGUF file or a shape: `just model=my.gguf bench`).
+model := ""
+
+# The whole bench (`python -m bench all`): gemma-3-270m and the Llama-3.2-1B shape, both workloads, the ceiling, then kernels, CURVE, stage costs, multi-host, gateway, chaos. `just bench quick`: the tiny model in under two minutes. `just bench --model PATH`: any GGUF.
+bench *args: bench-setup
+    {{py}} -m bench all {{ replace_regex(args, '(^|\s)quick(\s|$)', '${1}--quick${2}') }} {{ if model != "" { "--model " + quote(model) } else { "" } }}
+
+# One or more suites by name (`just bench-suite ceiling --model llama-3.2-1b`; `python -m bench list` names them).
+bench-suite *args: bench-setup
+    {{py}} -m bench {{args}}
+
+# Random-weight GGUFs with the exact geometry of Llama-3.2-1B and Llama-3.1-8B, Q4_K_M, cached in ~/.cache/neuron-tai/shapes.
+shapes *names: setup
+    {{py}} -m testkit.shapes {{names}}
 
 # Decode tok/s of the bare llama_decode loop on each weight kernel path at 1 and 8 sequences.
 bench-kernels: bench-setup
@@ -46,35 +45,31 @@ bench-kernels: bench-setup
 
 # Which decode-batch padding makes each kernel path batch-invariant (evidence/invariance_padding.json).
 bench-padding: bench-setup
-    {{py}} -m bench.invariance_padding --steps 24 --pads 2,4,8
+    {{py}} -m bench padding
 
 # Backend vs bare llama_decode at 1/2/4/8 sequences, and split exactness (evidence/backend_sweep.json).
 bench-backend: bench-setup
-    {{py}} -m bench.backend_sweep --steps 96 --reps 7
+    {{py}} -m bench backend
 
 # What one KV compaction costs (batch-invariant mode) and that it changes no output (evidence/kv_compaction.json).
 bench-compaction: bench-setup
-    {{py}} -m bench.kv_compaction
+    {{py}} -m bench compaction
 
 # Engine: throughput, TTFT/ITL, prefill interference, batch-invariant mode (evidence/engine_sweep.json).
 bench-engine: bench-setup
-    {{py}} -m bench.engine_sweep
+    {{py}} -m bench engine
 
 # Nodes over ZeroMQ: single node and 2-stage chain vs the engine (evidence/node_sweep.json).
 bench-node: bench-setup
-    {{py}} -m bench.node_sweep
+    {{py}} -m bench node
 
 # Micro-batches 1 vs 2 on a single node and a 2-stage chain at concurrency 8 (evidence/micro_batches.json).
 bench-micro-batches: bench-setup
-    {{py}} -m bench.micro_batches
+    {{py}} -m bench micro-batches
 
 # The three component sweeps; each writes its evidence even when another misses its target.
 bench-sweeps: bench-setup
-    status=0; \
-    {{py}} -m bench.backend_sweep --steps 96 --reps 7 || status=1; \
-    {{py}} -m bench.engine_sweep || status=1; \
-    {{py}} -m bench.node_sweep || status=1; \
-    exit $status
+    {{py}} -m bench backend engine node
 
 # The cost of CurveZMQ links: single node and 2-stage chain at concurrency 8 (evidence/curve.json).
 bench-curve: bench-setup
@@ -82,11 +77,11 @@ bench-curve: bench-setup
 
 # A 2-stage chain across network namespaces: scale-out and latency tolerance (evidence/multihost.json).
 bench-multihost: bench-setup
-    {{py}} -m bench.multihost --out evidence/multihost.json
+    {{py}} -m bench multihost
 
 # The OpenAI gateway before a node and a 2-stage chain vs llama-server's OpenAI endpoint (`quick`: tiny model).
 bench-gateway mode="full": bench-setup
-    {{py}} -m bench.gateway_bench {{ if mode == "quick" { "--quick" } else { "" } }}
+    {{py}} -m bench gateway {{ if mode == "quick" { "--quick" } else { "" } }}
 
 # Hostile peers against a node and two chains while valid sessions generate (evidence/chaos.json; `quick`: under a minute, .bench/).
 chaos mode="full": setup

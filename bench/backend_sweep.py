@@ -20,8 +20,8 @@ import numpy as np
 from bench.common import (
     WORK,
     BareLoop,
+    bench_model,
     best_of,
-    gemma_path,
     interleaved,
     paired_ratio,
     prompt_tokens,
@@ -30,9 +30,9 @@ from bench.common import (
     write_evidence,
 )
 from engine.backend import ContextConfig, Segment, StageBackend
-from engine.local_chain import LocalChain
 from engine.messages import Output
-from neuron_tai.shard import write_stages
+from neuron_tai.shard import read_model_layers, stage_bounds, write_stages
+from testkit.local_chain import LocalChain
 
 COLUMNS = ["concurrency", "backend_tok_s", "bare_tok_s", "ratio", "outside_decode_share", "tokens_equal_bare"]
 CONFIG = ContextConfig(n_seq_max=8, n_ctx=4096, n_batch=512, n_ubatch=512, n_threads=2)
@@ -82,7 +82,8 @@ def split_exactness(model: Path, prompts: list[list[int]], steps: int) -> dict[s
 
     whole_tokens, whole_logits = run([model])
     result: dict[str, bool] = {}
-    for label, bounds in (("2stage", [(0, 6), (6, 18)]), ("3stage", [(0, 6), (6, 12), (12, 18)])):
+    n = read_model_layers(model).block_count  # gemma-3-270m: 0-6 6-18, and 0-6 6-12 12-18
+    for label, bounds in (("2stage", stage_bounds(n, split=[n // 3])), ("3stage", stage_bounds(n, stages=3))):
         shards = write_stages(model, WORK / "shards" / label, bounds)
         tokens, logits = run(shards)
         result[f"exact_{label}"] = tokens == whole_tokens
@@ -98,7 +99,7 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=5, help="interleaved repetitions (best of each is kept)")
     args = parser.parse_args()
 
-    model = gemma_path()
+    model = bench_model(quick=False)
     backend = StageBackend(model, CONFIG)
     bare = BareLoop(model, CONFIG)
     results = []

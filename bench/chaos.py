@@ -61,13 +61,13 @@ from bench.chaos_drivers import (
 from bench.common import WORK, command_line, shown, tiny_model, write_evidence
 from bench.hostile import Target
 from bench.interrupts import run_main, run_until_interrupted
-from bench.processes import Processes, free_ports, node_ready, open_processes
+from bench.processes import Processes, free_ports, node_ready, open_processes, serve_command
 from bench.progress import say
 from bench.rss import MemoryTrack
 from bench.workload import CORPUS, Request, make_requests
 from neuron_tai.client import open_client
 from neuron_tai.shard import write_stages
-from neuron_tai.testmodel import TinySpec, vocabulary
+from testkit.models import TinySpec, vocabulary
 
 LEASE_MARGIN_S = 2.0  # past one lease, before `stats` is read: the node's lease timer and the chain's closes
 MEMORY_PERIOD_S = 0.5
@@ -126,9 +126,8 @@ ROLE_TARGETS = {"garbage": ATTACKED, "fields": ATTACKED, "flood": ATTACKED, "hug
 
 
 def serve(model: Path, address: str, plan: Plan, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "neuron_tai.cli", "serve", str(model), "--bind", address, "--threads", "1",
-            "--lease", f"{plan.lease_s:g}", "--max-sessions", str(plan.max_sessions), "--log-level", "warning",
-            *extra]  # fmt: skip
+    flags = ["--lease", f"{plan.lease_s:g}", "--max-sessions", str(plan.max_sessions), *extra]
+    return serve_command(model, address, threads=1, flags=flags)
 
 
 class RestartedTail:
@@ -459,7 +458,7 @@ def main() -> int:
     plan_row = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(plan).items()}
     found = chaos_report.failures(result, plan_row)
     payload = {"started": started, "seconds": round(time.monotonic() - wall, 1), "plan": plan_row,
-               "topology": {name: shown(a) for name, a in addresses.items()}, "model": "tiny-llama (testmodel)",
+               "topology": {name: shown(a) for name, a in addresses.items()}, "model": "tiny-llama (testkit.models)",
                "passed": not found, "failures": found, **result}  # fmt: skip
     print(chaos_report.console(result))
     if plan.mode == "full" and not args.out:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import platform
 import shlex
+import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -41,7 +43,7 @@ PROMPT_TEXTS = [
 
 def tiny_model(directory: Path | None = None) -> Path:
     """The test suite's tiny model (`tiny-llama.gguf`), written once into `directory` (WORK/tiny)."""
-    from neuron_tai.testmodel import write_tiny_model  # noqa: PLC0415 - only quick runs need it
+    from testkit.models import write_tiny_model  # noqa: PLC0415 - only quick runs need it
 
     path = (directory or WORK / "tiny") / "tiny-llama.gguf"
     if not path.exists():
@@ -61,6 +63,32 @@ def gemma_path() -> Path:
     return Path(target)
 
 
+# `python -m bench --model M` hands M to every suite it runs through this variable.
+MODEL_ENV = "NEURON_TAI_BENCH_MODEL"
+GEMMA = "gemma-3-270m"
+
+
+def resolve_model(name: str) -> Path:
+    """A GGUF path, `gemma-3-270m` (the bench extra's model) or a real-model shape (`llama-3.2-1b`, ...)."""
+    from testkit.shapes import SHAPES, shape_path  # noqa: PLC0415 - writing a shape needs llama.cpp's quantizer
+
+    if name == GEMMA:
+        return gemma_path()
+    if name in SHAPES:
+        return shape_path(name)
+    path = Path(name).expanduser()
+    if not path.is_file():
+        raise SystemExit(f"--model {name}: no such file, and not one of {GEMMA}, {', '.join(SHAPES)}")
+    return path.resolve()
+
+
+def bench_model(quick: bool, directory: Path | None = None) -> Path:
+    """The model a suite measures: the one named by `--model`, else the tiny model (quick) or gemma-3-270m."""
+    if chosen := os.environ.get(MODEL_ENV):
+        return resolve_model(chosen)
+    return tiny_model(directory) if quick else gemma_path()
+
+
 def shown(text: str | Path) -> str:
     """A path, or text holding paths, as evidence shows it: relative to the repository, or under `~`.
 
@@ -78,13 +106,28 @@ def command_line() -> str:
     return " ".join(shlex.quote(shown(a)) for a in [Path(argv[0]).name, *argv[1:]])
 
 
-def write_evidence(name: str, payload: dict[str, Any]) -> Path:
-    EVIDENCE.mkdir(exist_ok=True)
-    path = EVIDENCE / name
+def commit() -> str:
+    """The checkout's commit, `+dirty` when it has uncommitted changes: what the evidence measured."""
+
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False)
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def write_evidence(name: str, payload: dict[str, Any], directory: Path = EVIDENCE) -> Path:
+    """`directory/name`: the payload after what makes it evidence (command, date, machine, CPU, commit)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    if (chosen := os.environ.get(MODEL_ENV)) and directory == EVIDENCE:  # beside the default model's, not over it
+        name = f"{Path(name).stem}-{Path(chosen).name.removesuffix('.gguf')}{Path(name).suffix}"
+    path = directory / name
     cpu = cpu_features()
     meta = {
         "command": command_line(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "commit": commit(),
         "machine": f"{platform.machine()}, {cpu.model}, python {platform.python_version()}",
         "cpu": cpu.summary(),
         "llama_cpp_python": lc.__version__,

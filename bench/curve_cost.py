@@ -28,11 +28,11 @@ from pathlib import Path
 
 import trio
 
-from bench.common import PROMPT_TEXTS, WORK, paired_ratio, table, tiny_model
-from bench.processes import Processes, free_ports, node_ready, open_processes
+from bench.common import PROMPT_TEXTS, WORK, bench_model, paired_ratio, table
+from bench.processes import Processes, free_ports, node_ready, open_processes, serve_command
 from neuron_tai.client import Client, open_client
 from neuron_tai.security import create_key_pair
-from neuron_tai.shard import write_stages
+from neuron_tai.shard import read_model_layers, stage_bounds, write_stages
 
 CONCURRENCY = 8
 SERVE = ["--max-sessions", "8", "--kv-cells", "4096", "--n-batch", "512", "--max-prefill", "64", "--log-level",
@@ -67,9 +67,7 @@ class Keys:
 
 def start(procs: Processes, name: str, model: Path, threads: int, extra: list[str]) -> str:
     address = f"tcp://127.0.0.1:{free_ports(1)[0]}"
-    cmd = [sys.executable, "-m", "neuron_tai.cli", "serve", str(model), "--bind", address, "--threads", str(threads),
-           *SERVE, *extra]  # fmt: skip
-    procs.start(name, cmd, node_ready)
+    procs.start(name, serve_command(model, address, threads=threads, flags=[*SERVE, *extra]), node_ready)
     return address
 
 
@@ -128,16 +126,12 @@ def main() -> int:
 
     work = WORK / "curve"
     work.mkdir(parents=True, exist_ok=True)
+    model = bench_model(args.quick, work)
+    split = stage_bounds(read_model_layers(model).block_count, stages=2)  # gemma-3-270m: 0-9, 9-18
     if args.quick:
-        model = tiny_model(work)
-        split = [(0, 2), (2, 4)]
         args.reps, args.steps = min(args.reps, 2), min(args.steps, 8)
         out = args.out or work / "curve-quick.json"
     else:
-        from bench.common import gemma_path  # noqa: PLC0415
-
-        model = gemma_path()
-        split = [(0, 9), (9, 18)]
         out = args.out or Path(__file__).resolve().parent.parent / "evidence" / "curve.json"
     shards = write_stages(model, work / "shards", split)
     keys = Keys(work / "keys")

@@ -25,8 +25,8 @@ import trio
 
 from bench.common import (
     BareLoop,
+    bench_model,
     best_of,
-    gemma_path,
     interleaved,
     paired_ratio,
     prompt_tokens,
@@ -57,13 +57,14 @@ class EngineClient:
 
     engine: Engine
 
-    async def open(self, session: str, max_tokens: int, *, wait_ms: int = 0) -> object:
-        return _ok(await self.engine.request(OpenRequest(OWNER, session, max_tokens, wait_ms=wait_ms)), Opened)
+    async def open(self, session: str, max_tokens: int, *, wait_ms: int = 0) -> dict[str, Any]:
+        return {"kv_reserved": _ok(await self.engine.request(OpenRequest(OWNER, session, max_tokens, wait_ms=wait_ms)),
+                                   Opened).kv_reserved}  # fmt: skip
 
     async def step(self, session: str, pos: int, *, tokens: list[int], out: str) -> StepReply:
         request = StepRequest(OWNER, session, pos, Output(out), tokens=np.array(tokens, np.int32))
         done = _ok(await self.engine.request(request), StepDone)
-        return StepReply(None, token=done.token, logits=done.logits)
+        return StepReply(None, token=done.token, logits=done.logits)  # no node answered: no wire result
 
     async def close_on_exit(self, session: str) -> None:
         with trio.CancelScope(shield=True):
@@ -209,7 +210,7 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--max-prefill", type=int, default=64, help="prefill tokens per iteration")
     args = parser.parse_args()
-    model = gemma_path()
+    model = bench_model(quick=False)
     cfg = EngineConfig(
         model=model, max_sessions=8, kv_cells=4096, n_batch=512, n_ubatch=512, n_threads=2,
         max_prefill_tokens=args.max_prefill, max_step_tokens=512,

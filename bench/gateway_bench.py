@@ -20,16 +20,18 @@ import json
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import httpx
 import trio
 
-from bench.common import WORK, command_line, gemma_path, shown, tiny_model
+from bench.common import WORK, bench_model, command_line, shown
 from bench.latency import percentile_ms
 from bench.llama_server import cached_binary, ensure_llama_server
-from bench.processes import Processes, free_ports, node_ready, open_processes
+from bench.node_driver import run_closed_loop
+from bench.processes import Processes, free_ports, node_ready, open_processes, serve_command
 from bench.server_peer import healthy, server_command
 from bench.workload import CORPUS, Request, make_requests
 from engine.llama_handles import weight_placement
@@ -84,22 +86,12 @@ async def complete(http: httpx.AsyncClient, url: str, model: str, req: Request) 
 
 
 async def closed_loop(url: str, model: str, requests: list[Request], concurrency: int) -> dict[str, Any]:
-    pending = iter(requests)
-    seen: list[Seen] = []
-
-    async def worker(http: httpx.AsyncClient) -> None:
-        for req in pending:
-            seen.append(await complete(http, url, model, req))
-
     # A new connection per request, for every system alike: llama-server's HTTP library closes a
     # kept-alive connection after a few requests, and a request racing that close fails.
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=600, limits=limits) as http:
-        start = time.perf_counter()
-        async with trio.open_nursery() as nursery:
-            for _ in range(concurrency):
-                nursery.start_soon(worker, http)
-        wall = time.perf_counter() - start
+        by_rid, wall = await run_closed_loop(requests, concurrency, partial(complete, http, url, model))
+    seen = list(by_rid.values())
     tokens = sum(s.tokens for s in seen)
     gaps = [b - a for s in seen for a, b in zip(s.chunks, s.chunks[1:], strict=False)]
     return {
@@ -116,7 +108,7 @@ async def closed_loop(url: str, model: str, requests: list[Request], concurrency
 
 
 def model_for(quick: bool) -> Path:
-    return tiny_model() if quick else gemma_path()
+    return bench_model(quick)
 
 
 def start(procs: Processes, model: Path, plan: Plan, quick: bool) -> tuple[dict[str, str], str]:
@@ -129,8 +121,7 @@ def start(procs: Processes, model: Path, plan: Plan, quick: bool) -> tuple[dict[
 
     def node(name: str, path: Path, port: int, threads: int, extra: tuple[str, ...] = ()) -> str:
         address = f"tcp://127.0.0.1:{port}"
-        cmd = [*cli, "serve", str(path), "--bind", address, "--threads", str(threads), *limits, *extra]
-        if not procs.start(name, cmd, node_ready):
+        if not procs.start(name, serve_command(path, address, threads=threads, flags=[*limits, *extra]), node_ready):
             raise RuntimeError(f"{name} did not start; see {shown(procs.log(name))}")
         return address
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import trio
 
-from bench.common import gemma_path, prompt_tokens, shown, write_evidence
+from bench.common import bench_model, prompt_tokens, shown, write_evidence
 from bench.engine_sweep import run_sessions
 from engine.config import EngineConfig
 from engine.engine import open_engine
@@ -47,7 +47,8 @@ def main() -> int:
     args = parser.parse_args()
     pads = [int(x) for x in args.pads.split(",")]
     paths = ["repack", "plain"] + (["amx"] if "AMX" in extra_buffer_types() else [])
-    base = EngineConfig(model=gemma_path(), max_sessions=8, kv_cells=4096, n_threads=2, batch_invariant=True)
+    model = bench_model(quick=False)
+    base = EngineConfig(model=model, max_sessions=8, kv_cells=4096, n_threads=2, batch_invariant=True)
     results: dict[str, dict[str, Any]] = {}
     for kernels in paths:
         results[kernels] = {}

@@ -77,11 +77,11 @@ def main() -> int:
         print(json.dumps(measure(args.model, args.child, args.steps)), flush=True)
         return 0
 
-    from bench.common import gemma_path, shown, write_evidence  # noqa: PLC0415
+    from bench.common import bench_model, shown, write_evidence  # noqa: PLC0415
     from engine.kernels import choose_path, cpu_features  # noqa: PLC0415
     from engine.llama_handles import extra_buffer_types  # noqa: PLC0415
 
-    model = gemma_path()
+    model = bench_model(quick=False)
     offered = list(extra_buffer_types())
     paths = ["repack", "plain"] + (["amx"] if "AMX" in offered else [])
     runs: dict[str, list[dict[str, Any]]] = {p: [] for p in paths}

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import gemma_path, shown, write_evidence
+from bench.common import bench_model, shown, write_evidence
 from engine.backend import ContextConfig, Segment, StageBackend
 from engine.kernels import INVARIANT_PAD_ROWS
 from engine.messages import Output
@@ -95,7 +95,7 @@ def main() -> int:
     parser.add_argument("--live", default="512,1024,2048,3072")
     parser.add_argument("--model", type=Path, default=None)
     args = parser.parse_args()
-    model = args.model or gemma_path()
+    model = args.model or bench_model(quick=False)
     sizes = [int(x) for x in args.live.split(",")]
     rows = []
     for i, live in enumerate(sizes):

@@ -1,7 +1,7 @@
-"""llama.cpp's own `llama-server`, built once from the installed llama-cpp-python's vendored sources.
+"""llama.cpp's own `llama-server` and `llama-batched-bench`, built once from the installed llama-cpp-python's sources.
 
-The peer runs the same llama.cpp as the node: the sdist of the installed llama-cpp-python
-version (from pip's cache when it is there), only the `llama-server` target, linked
+The peer and the ceiling run the same llama.cpp as the node: the sdist of the installed
+llama-cpp-python version (from pip's cache when it is there), only these two targets, linked
 statically, cached per version under ~/.cache/neuron-tai/. A failed build is logged there
 and reported; the bench then skips this peer rather than failing.
 """
@@ -27,6 +27,7 @@ CMAKE_FLAGS = [
     "-DBUILD_SHARED_LIBS=OFF",
     "-DLLAMA_BUILD_TESTS=OFF",
     "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_TOOLS=ON",  # llama-server and llama-batched-bench live under tools/
     "-DLLAMA_BUILD_SERVER=ON",
     "-DLLAMA_BUILD_UI=OFF",
     "-DLLAMA_USE_PREBUILT_UI=OFF",  # no downloads: the bench only uses the HTTP API
@@ -73,14 +74,19 @@ def cache_dir() -> Path:
     return base / "neuron-tai" / f"llama-server-{lc.__version__}{'-noamx' if _without_amx() else ''}"
 
 
-def cached_binary() -> Path | None:
-    binary = cache_dir() / "llama-server"
+SERVER = "llama-server"
+BATCHED_BENCH = "llama-batched-bench"  # llama.cpp's own batched decode benchmark: the ceiling
+TARGETS = (SERVER, BATCHED_BENCH)
+
+
+def cached_binary(name: str = SERVER) -> Path | None:
+    binary = cache_dir() / name
     return binary if binary.is_file() and os.access(binary, os.X_OK) else None
 
 
-def ensure_llama_server() -> tuple[Path | None, str]:
-    """The cached binary, building it first if needed; (None, why) when it cannot be had."""
-    if (binary := cached_binary()) is not None:
+def ensure_llama_server(name: str = SERVER) -> tuple[Path | None, str]:
+    """The cached binary `name`, building every missing target first; (None, why) when it cannot be had."""
+    if (binary := cached_binary(name)) is not None:
         return binary, f"cached {binary}"
     root = cache_dir()
     root.mkdir(parents=True, exist_ok=True)
@@ -92,13 +98,15 @@ def ensure_llama_server() -> tuple[Path | None, str]:
             flags = [*CMAKE_FLAGS, *isa_flags(cpu_features(), _without_amx())]
             _run(["cmake", "-S", str(source), "-B", str(build), *flags], log)
             jobs = str(os.cpu_count() or 2)
-            _run(["cmake", "--build", str(build), "--target", "llama-server", "-j", jobs], log)
-            shutil.copy2(build / "bin" / "llama-server", root / "llama-server")
+            missing = [t for t in TARGETS if cached_binary(t) is None]
+            _run(["cmake", "--build", str(build), "--target", *missing, "-j", jobs], log)
+            for target in missing:
+                shutil.copy2(build / "bin" / target, root / target)
         except (OSError, subprocess.CalledProcessError, tarfile.TarError) as exc:
-            return None, f"llama-server could not be built ({exc}); see {log_path}"
+            return None, f"{name} could not be built ({exc}); see {log_path}"
     shutil.rmtree(root / "build", ignore_errors=True)
     shutil.rmtree(root / "src", ignore_errors=True)
-    return root / "llama-server", f"built {root / 'llama-server'} (log: {log_path})"
+    return root / name, f"built {root / name} (log: {log_path})"
 
 
 def _vendored_source(root: Path, log: IO[str]) -> Path:

@@ -24,8 +24,8 @@ import trio
 from bench.common import (
     PROMPT_TEXTS,
     WORK,
+    bench_model,
     best_of,
-    gemma_path,
     interleaved,
     paired_ratio,
     shown,
@@ -35,7 +35,7 @@ from bench.common import (
 from bench.node_sweep import node_command, over_zmq
 from bench.processes import free_ports, node_ready, open_processes
 from neuron_tai.client import open_client
-from neuron_tai.shard import write_stages
+from neuron_tai.shard import read_model_layers, stage_bounds, write_stages
 
 COLUMNS = ["setup", "micro_batches", "concurrency", "agg_tok_s", "ratio_to_1"]
 SETUPS = [("single", 1), ("single", 2), ("chain2", 1), ("chain2", 2)]
@@ -67,8 +67,9 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--concurrency", type=int, default=8)
     args = parser.parse_args()
-    model = gemma_path()
-    shards = write_stages(model, WORK / "shards" / "chain2", [(0, 9), (9, 18)])
+    model = bench_model(quick=False)
+    halves = stage_bounds(read_model_layers(model).block_count, stages=2)  # gemma-3-270m: 0-9, 9-18
+    shards = write_stages(model, WORK / "shards" / "chain2", halves)
     ports = iter(free_ports(6))
     addresses: dict[tuple[str, int], str] = {}
     with open_processes(WORK / "logs") as procs:
@@ -88,7 +89,7 @@ def main() -> int:
         results = trio.run(measure, args, addresses)
     path = write_evidence(
         "micro_batches.json",
-        {"model": model.name, "steps": args.steps, "reps": args.reps, "chain2_layers": [[0, 9], [9, 18]],
+        {"model": model.name, "steps": args.steps, "reps": args.reps, "chain2_layers": [list(h) for h in halves],
          "results": results},
     )  # fmt: skip
     print()

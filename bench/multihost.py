@@ -38,10 +38,10 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from bench.common import WORK, command_line, gemma_path, shown, table, tiny_model
+from bench.common import WORK, bench_model, command_line, shown, table
 from bench.interrupts import run_main
 from bench.netns import Topology, open_topology
-from bench.processes import Processes, node_ready, open_processes
+from bench.processes import Processes, node_ready, open_processes, serve_command
 from neuron_tai.shard import weight_balanced_bounds, write_stages
 
 HOSTS = ("client", "s0", "s1")
@@ -80,7 +80,7 @@ QUICK = Plan(mode="quick", requests=8, max_new=8, max_prompt=64, concurrencies=(
 
 def models(plan: Plan, work: Path) -> tuple[Path, list[Path]]:
     """The model and its two halves (head, tail)."""
-    model = tiny_model(work) if plan.mode == "quick" else gemma_path()
+    model = bench_model(plan.mode == "quick", work)
     return model, write_stages(model, work / "shards", weight_balanced_bounds(model, 2))
 
 
@@ -102,8 +102,7 @@ class Cluster:
         address = f"tcp://{self.topo.address(host, peer)}:{self.topo.port()}"
         limits = ["--max-sessions", str(MAX_SESSIONS), "--max-waiting", str(MAX_SESSIONS), "--kv-cells",
                   str(self.plan.kv_cells)]  # fmt: skip
-        cmd = [sys.executable, "-m", "neuron_tai.cli", "serve", str(model), "--bind", address, "--threads", "1",
-               *limits, *self.plan.serve_flags, "--log-level", "warning", *extra]  # fmt: skip
+        cmd = serve_command(model, address, threads=1, flags=[*limits, *self.plan.serve_flags, *extra])
         self._start(name, host, cmd, core)
         return address
 

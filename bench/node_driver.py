@@ -134,6 +134,25 @@ async def _retry_busy(
             await trio.sleep(max(exc.retry_after_ms or 0, 1) / 1000)
 
 
+async def run_closed_loop(
+    requests: Sequence[Request], concurrency: int, one: Callable[[Request], Awaitable[R]]
+) -> tuple[dict[int, R], float]:
+    """The closed loop every suite drives: `concurrency` workers each take the next request as soon as
+    their last one is done. Returns each request's result by rid, and the run's wall time."""
+    pending = iter(requests)
+    results: dict[int, R] = {}
+
+    async def worker() -> None:
+        for req in pending:
+            results[req.rid] = await one(req)
+
+    start = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        for _ in range(concurrency):
+            nursery.start_soon(worker)
+    return results, time.perf_counter() - start
+
+
 async def closed_loop(
     client: SessionClient,
     requests: Sequence[Request],
@@ -143,22 +162,12 @@ async def closed_loop(
     forced: Mapping[int, Sequence[int]] | None = None,
     on_logits: LogitsSink | None = None,
 ) -> tuple[list[Trace], float]:
-    """`concurrency` workers each take the next request as soon as their last one is done.
+    """Sessions of `client` in a closed loop; the traces in request order and the run's wall time."""
 
-    Returns the traces in request order and the run's wall time.
-    """
-    pending = iter(requests)
-    traces: dict[int, Trace] = {}
+    async def one(req: Request) -> Trace:
+        return await generate(
+            client, req, f"{tag}-{req.rid}", forced=forced.get(req.rid) if forced else None, on_logits=on_logits
+        )
 
-    async def worker() -> None:
-        for req in pending:
-            traces[req.rid] = await generate(
-                client, req, f"{tag}-{req.rid}", forced=forced.get(req.rid) if forced else None, on_logits=on_logits
-            )
-
-    start = time.perf_counter()
-    async with trio.open_nursery() as nursery:
-        for _ in range(concurrency):
-            nursery.start_soon(worker)
-    wall = time.perf_counter() - start
+    traces, wall = await run_closed_loop(requests, concurrency, one)
     return [traces[r.rid] for r in requests], wall

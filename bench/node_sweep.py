@@ -22,8 +22,8 @@ import trio
 
 from bench.common import (
     WORK,
+    bench_model,
     best_of,
-    gemma_path,
     interleaved,
     paired_ratio,
     prompt_tokens,
@@ -33,12 +33,12 @@ from bench.common import (
 )
 from bench.engine_sweep import run_sessions
 from bench.node_driver import closed_loop
-from bench.processes import free_ports, node_ready, open_processes
+from bench.processes import free_ports, node_ready, open_processes, serve_command
 from bench.workload import Request
 from engine.config import EngineConfig
 from engine.engine import open_engine
 from neuron_tai.client import open_client
-from neuron_tai.shard import write_stages
+from neuron_tai.shard import read_model_layers, stage_bounds, write_stages
 
 COLUMNS = ["setup", "concurrency", "agg_tok_s", "engine_tok_s", "ratio"]
 SERVE = ["--max-sessions", "8", "--kv-cells", "4096", "--n-batch", "512", "--max-prefill", "64", "--log-level",
@@ -46,8 +46,7 @@ SERVE = ["--max-sessions", "8", "--kv-cells", "4096", "--n-batch", "512", "--max
 
 
 def node_command(model: Path, address: str, threads: int, extra: list[str]) -> list[str]:
-    return [sys.executable, "-m", "neuron_tai.cli", "serve", str(model), "--bind", address, "--threads", str(threads),
-            *SERVE, *extra]  # fmt: skip
+    return serve_command(model, address, threads=threads, flags=[*SERVE, *extra])
 
 
 async def over_zmq(address: str, prompts: list[list[int]], steps: int) -> float:
@@ -90,8 +89,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
-    model = gemma_path()
-    shards = write_stages(model, WORK / "shards" / "chain2", [(0, 9), (9, 18)])
+    model = bench_model(quick=False)
+    halves = stage_bounds(read_model_layers(model).block_count, stages=2)  # gemma-3-270m: 0-9, 9-18
+    shards = write_stages(model, WORK / "shards" / "chain2", halves)
     single, tail, head = (f"tcp://127.0.0.1:{port}" for port in free_ports(3))
     nodes = [("sweep-single", model, single, 2, []), ("sweep-chain2-tail", shards[1], tail, 1, []),
              ("sweep-chain2-head", shards[0], head, 1, ["--next", tail])]  # fmt: skip
@@ -102,7 +102,7 @@ def main() -> int:
         results = trio.run(sweep, args, model, {"single": single, "chain2": head})
     path = write_evidence(
         "node_sweep.json",
-        {"model": model.name, "steps": args.steps, "reps": args.reps, "chain2_layers": [[0, 9], [9, 18]],
+        {"model": model.name, "steps": args.steps, "reps": args.reps, "chain2_layers": [list(h) for h in halves],
          "results": results},
     )  # fmt: skip
     print()

@@ -252,6 +252,12 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+def serve_command(model: Path, address: str, *, threads: int, flags: Sequence[str] = ()) -> list[str]:
+    """The command line of every node the bench starts: `neuron-tai serve MODEL --bind ADDRESS --threads N FLAGS`."""
+    return [sys.executable, "-m", "neuron_tai.cli", "serve", str(model), "--bind", address, "--threads", str(threads),
+            "--log-level", "warning", *flags]  # fmt: skip
+
+
 def node_ready(log: Path) -> bool:
     """`neuron-tai serve` prints `ready ADDRESS` once it accepts requests."""
     return any(line.startswith("ready ") for line in log.read_text(errors="replace").splitlines())

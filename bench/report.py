@@ -33,14 +33,25 @@ from bench import plots, report_markdown
 from bench.admission import burst
 from bench.aggregate import saturation
 from bench.bare_waves import run_waves
-from bench.common import EVIDENCE, WORK, BareLoop, command_line, gemma_path, interleaved, shown, tiny_model
+from bench.ceiling import ceiling_for
+from bench.common import (
+    EVIDENCE,
+    WORK,
+    BareLoop,
+    bench_model,
+    command_line,
+    commit,
+    interleaved,
+    resolve_model,
+    shown,
+)
 from bench.faults import ENV, Faults
 from bench.faults import SIGNAL as FAULT_SIGNAL
 from bench.interrupts import run_main, run_until_interrupted
 from bench.latency import Trace, summarize
 from bench.llama_server import cached_binary, ensure_llama_server
 from bench.node_driver import closed_loop
-from bench.processes import Processes, free_ports, node_ready, open_processes, while_alive
+from bench.processes import Processes, free_ports, node_ready, open_processes, serve_command, while_alive
 from bench.progress import say
 from bench.proofs import default_mode, invariant_proof
 from bench.python_peer import PythonPeer, open_llama, run_serial
@@ -49,7 +60,7 @@ from bench.server_peer import healthy, server_command, weight_buffers
 from bench.stats_sampler import StatsSampler
 from bench.systems import ALL, BARE, CHAIN, NODE_FAST, PYTHON, SERVER
 from bench.systems import NODE as SINGLE
-from bench.workload import CORPUS, Request, make_requests
+from bench.workload import CORPUS, WORKLOADS, Request, make_requests
 from engine.backend import ContextConfig
 from engine.llama_handles import weight_placement
 from neuron_tai.client import open_client
@@ -71,6 +82,7 @@ class Plan:
     burst_queue_bytes: int  # the burst node's queue budget: room for one long prompt or a few short ones
     out_dir: Path
     seed: int = 12
+    workload: str = "prompt"  # a key of bench.workload.WORKLOADS
 
 
 FULL = Plan(mode="full", requests=16, max_new=32, max_prompt=256, concurrencies=(1, 2, 4, 8, 16), reps=2,
@@ -83,10 +95,6 @@ MAX_SESSIONS = 8
 
 
 # -- set-up ---------------------------------------------------------------------------
-
-
-def bench_model(plan: Plan) -> Path:
-    return tiny_model() if plan.mode == "quick" else gemma_path()
 
 
 def shard_in_two(model: Path) -> list[Path]:
@@ -136,8 +144,7 @@ def start_all(
 
     def serve(name: str, path: Path, port: int, threads: int, extra: list[str]) -> str:
         address = f"tcp://127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "neuron_tai.cli", "serve", str(path), "--bind", address, "--threads",
-               str(threads), "--log-level", "warning", *extra]  # fmt: skip
+        cmd = serve_command(path, address, threads=threads, flags=extra)
         if procs.start(name, faults.command(name, cmd), node_ready):
             say(f"started {name}: {address}")
         return address
@@ -332,6 +339,24 @@ async def sweep(
 # -- main -------------------------------------------------------------------------------
 
 
+def plan_for(base: Plan, workload: str, model: Path, out: Path | None, *, named: bool) -> Plan:
+    """The plan for one model and workload: a named model's or another workload's report goes beside the default.
+
+    Those run one repetition: `just bench` runs four reports, and repetitions go before systems.
+    """
+    plan = replace(base, workload=workload)
+    if workload != "prompt" and base.mode == "full":
+        plan = replace(plan, max_new=WORKLOADS[workload].max_new)
+    if named or workload != "prompt":
+        plan = replace(plan, reps=1)
+    if out is not None:
+        return replace(plan, out_dir=out)
+    if named or workload != "prompt":  # as `python -m bench` places them
+        name = "report" + ("" if workload == "prompt" else f"-{workload}") + (f"-{model.stem}" if named else "")
+        return replace(plan, out_dir=base.out_dir / name)
+    return plan
+
+
 async def run(plan: Plan, model: Path, nodes: Nodes, procs: Processes, faults: Faults) -> dict[str, Any]:
     bare = BareLoop(model, ContextConfig(n_seq_max=16, n_ctx=16 * plan.ctx_per_slot, n_batch=512, n_ubatch=512,
                                          n_threads=2))  # fmt: skip
@@ -341,7 +366,7 @@ async def run(plan: Plan, model: Path, nodes: Nodes, procs: Processes, faults: F
         start = bare.model.tokenize("", add_special=True)
         bos = start[0] if start else None
         requests = make_requests(corpus, plan.requests, plan.max_new, seed=plan.seed, max_prompt=plan.max_prompt,
-                                 bos=bos)  # fmt: skip
+                                 bos=bos, buckets=WORKLOADS[plan.workload].buckets)  # fmt: skip
         lengths = [len(r.prompt) for r in requests]
         say(f"workload: {len(requests)} requests, prompts {min(lengths)}-{max(lengths)} tokens, "
             f"{plan.max_new} new tokens each, seed {plan.seed}")  # fmt: skip
@@ -387,6 +412,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("mode", nargs="?", choices=["full", "quick"], default="full")
     parser.add_argument("--out", type=Path, help="report directory (default: evidence/DGR-012, quick: .bench/)")
+    parser.add_argument("--model", help="a GGUF file, gemma-3-270m or a model shape (default: gemma, quick: tiny)")
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="prompt", help="prompt- or decode-heavy")
+    parser.add_argument("--reps", type=int, help="repetitions per system and concurrency (default: the plan's)")
     parser.add_argument(
         "--render-only", type=Path, metavar="DIR", help="redraw DIR's plots and README from its bench.json"
     )
@@ -396,15 +424,16 @@ def main() -> int:
         plots.draw_all(report, args.render_only)
         (args.render_only / "README.md").write_text(report_markdown.render(report))
         return 0
-    plan = QUICK if args.mode == "quick" else FULL
-    if args.out:
-        plan = replace(plan, out_dir=args.out)
+    quick = args.mode == "quick"
+    model = resolve_model(args.model) if args.model else bench_model(quick)
+    plan = plan_for(QUICK if quick else FULL, args.workload, model, args.out, named=args.model is not None)
+    plan = replace(plan, reps=args.reps or plan.reps)
     faults = Faults.from_env()
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    say(f"bench {plan.mode}: model ...")
-    model = bench_model(plan)
+    say(f"bench {plan.mode}: model {shown(model)}, {WORKLOADS[plan.workload].name} workload")
     shards = shard_in_two(model)
     server = llama_server(plan)
+    ceiling = ceiling_for(model, pp=16, tg=plan.max_new, build=plan.build_server)  # alone on the machine
     with open_processes(WORK / "logs") as procs:
         nodes = start_all(procs, plan, model, shards, server, faults)
         payload = trio.run(run_until_interrupted, partial(run, plan, model, nodes, procs, faults))
@@ -412,8 +441,9 @@ def main() -> int:
     payload["crashes"] = [asdict(c) for c in procs.crashed.values()]
     report = {"command": command_line(), "started": started, "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
               "plan": {k: shown(v) if isinstance(v, Path) else v for k, v in asdict(plan).items()},
-              "model": model.name, "chain2_shards": [s.name for s in shards], "llama_server": nodes.server_note,
-              "sessions_max": MAX_SESSIONS,
+              "model": model.name, "workload_name": WORKLOADS[plan.workload].name,
+              "chain2_shards": [s.name for s in shards], "llama_server": nodes.server_note,
+              "sessions_max": MAX_SESSIONS, "commit": commit(), "ceiling": ceiling,
               **report_markdown.machine(), **payload}  # fmt: skip
     report["saturation"] = saturation(report["runs"])
     plan.out_dir.mkdir(parents=True, exist_ok=True)

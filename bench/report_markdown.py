@@ -43,17 +43,37 @@ def render(r: dict[str, Any]) -> str:
     tok = mean_by(r["runs"], "tok_s")
     systems = [s for s in ALL if s in tok]
     quick = plan["mode"] == "quick"
-    parts = [_head(r, quick), _systems(r), _throughput(r, tok, systems, cs), _latency(r, cs), _engine_use(r, cs),
+    parts = [_head(r, quick), _systems(r), _throughput(r, tok, systems, cs), _ceiling(r, tok, systems, cs),
+             _latency(r, cs), _engine_use(r, cs),
              _corruption(r),
              _default_mode(r), _admission(r), _telemetry(r), _pipeline(r), _gateway(r), _compatibility(r),
              _limitations(r, tok), _next_step(r)]  # fmt: skip
-    return "\n\n".join(p for p in parts if p) + "\n"
+    return named_tables("\n\n".join(p for p in parts if p) + "\n", caption(r))
+
+
+def caption(r: dict[str, Any]) -> str:
+    """What every table of the report measured: the model file and the workload."""
+    return f"Model `{r['model']}`, {r.get('workload_name', 'prompt-heavy')} workload:"
+
+
+def named_tables(markdown: str, text: str) -> str:
+    """`text` on its own line above every table, so a table copied out of the report still names its model."""
+    out: list[str] = []
+    for line in markdown.split("\n"):
+        if line.startswith("|") and not (out and out[-1].startswith("|")):
+            if out and out[-1]:
+                out.append("")
+            out += [text, ""]
+        out.append(line)
+    return "\n".join(out)
 
 
 def _head(r: dict[str, Any], quick: bool) -> str:
     plan = r["plan"]
     cmd = "just bench quick" if quick else "just bench"
     prompts = [w["prompt_tokens"] for w in r["workload"]]
+    mixed = r.get("workload_name", "prompt-heavy") == "prompt-heavy"
+    mix = " (a third short, medium and long, interleaved)" if mixed else ""
     return f"""# DGR-012: concurrency, saturation, corruption proof and peers
 
 Produced by one run of `{cmd}` (on a fresh machine: `python3 -m pip install -q rust-just && {cmd}`),
@@ -80,12 +100,12 @@ Every figure below is read from `bench.json` of that run. Nothing here is typed 
 
 ## Workload
 
-{len(prompts)} requests with seeded prompts (seed {plan["seed"]}) of mixed lengths: {min(prompts)} to
-{max(prompts)} tokens (a third short, medium and long, interleaved), {plan["max_new"]} generated tokens
-each, greedy, end-of-text ignored so every system generates exactly the same number of
-tokens. At concurrency c, c clients each send their next request as soon as the last one
-is answered (closed loop) until all {len(prompts)} are done; aggregate tok/s = generated tokens / wall
-time, prefill included. {plan["reps"]} repetition(s) per system and concurrency, in alternating order;
+{len(prompts)} requests, {r.get("workload_name", "prompt-heavy")}, with seeded prompts (seed {plan["seed"]}) of
+{min(prompts)} to {max(prompts)} tokens{mix}, {plan["max_new"]} generated tokens each, greedy,
+end-of-text ignored so every system generates exactly the same number of tokens. At concurrency c,
+c clients each send their next request as soon as the last one is answered (closed loop) until
+all {len(prompts)} are done; aggregate tok/s = generated tokens / wall time, prefill included.
+{plan["reps"]} repetition(s) per system and concurrency, in alternating order;
 tables show the mean. Nodes: `--max-sessions 8 --max-waiting 8 --kv-cells {plan["kv_cells"]}`, at
 concurrency 16 eight sessions wait for room (their wait counts in TTFT). Single node and
 `llama-server` use 2 threads; each chain stage 1 thread (2 cores in all). `{NODE_FAST}`
@@ -179,6 +199,25 @@ def _throughput(r: dict[str, Any], tok: dict[str, dict[int, float]], systems: li
             sat_rows.append([s, f"c={at}", f"{sat['best_tok_s']:.1f}", gains])
     out.append(_table(["system", "saturates at", "best tok/s", "gain per doubling"], sat_rows))
     return "\n".join(out)
+
+
+def _ceiling(r: dict[str, Any], tok: dict[str, dict[int, float]], systems: list[str], cs: list[int]) -> str:
+    """Every system as a fraction of llama-batched-bench's decode speed at B = concurrency."""
+    ceiling = r.get("ceiling")
+    if not ceiling:
+        return "## The physical ceiling\n\nNot measured: llama-batched-bench is not built (`just bench` builds it)."
+    s_tg = {int(b): v for b, v in ceiling["s_tg"].items()}
+    rows: list[list[Any]] = [["llama-batched-bench S_TG (tok/s)", *[s_tg.get(c) for c in cs]]]
+    for s in systems:
+        pts = tok[s]
+        flat = next(iter(pts.values())) if len(pts) == 1 else None
+        rows.append([f"{s} / ceiling", *[_ratio(pts.get(c, flat), s_tg.get(c)) for c in cs]])
+    return "\n".join(["## The physical ceiling: llama.cpp's own batched decode", "",
+                      f"`{ceiling['command']}`: B sequences of {ceiling['pp']} prompt tokens, {ceiling['tg']} "
+                      "generated each, decoded in lockstep with no server, sampling or Python. S_TG is generation "
+                      "speed without prefill; the systems' tok/s include prefill, so 1.0 is out of reach by that "
+                      "much. B = the concurrency.", "",
+                      _table(["", *[f"c={c}" for c in cs]], rows)])  # fmt: skip
 
 
 def _ratio(a: float | None, b: float | None) -> str:

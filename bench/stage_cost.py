@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import WORK, gemma_path, interleaved, shown, tiny_model, write_evidence
+from bench.common import WORK, bench_model, interleaved, shown, write_evidence
 from engine.backend import ContextConfig, Segment, StageBackend
 from engine.gguf_facts import read_facts
 from engine.messages import Output
@@ -72,7 +72,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=16, help="timed decode steps per repetition and row count")
     parser.add_argument("--quick", action="store_true", help="the tiny test model: checks that it runs")
     args = parser.parse_args()
-    model = tiny_model() if args.quick else gemma_path()
+    model = bench_model(args.quick)
     n = read_facts(model).block_count
     splits = {"layers": stage_bounds(n, stages=args.stages), "weights": weight_balanced_bounds(model, args.stages)}
     files: dict[str, Path] = {"whole": model}

@@ -32,6 +32,21 @@ SHORT, MEDIUM, LONG = (8, 32), (48, 128), (160, 256)
 
 
 @dataclass(frozen=True, slots=True)
+class Workload:
+    """A request mix: prompt-length buckets, taken in turn, and tokens generated per request (0: the plan's)."""
+
+    name: str
+    buckets: tuple[tuple[int, int], ...]
+    max_new: int = 0
+
+
+# Today's closed loop, prompt-heavy: mixed prompts of 8-256 tokens. Decode-heavy: 16-token prompts, 128 generated.
+PROMPT_HEAVY = Workload("prompt-heavy", (SHORT, MEDIUM, LONG))
+DECODE_HEAVY = Workload("decode-heavy", ((16, 16),), max_new=128)
+WORKLOADS = {"prompt": PROMPT_HEAVY, "decode": DECODE_HEAVY}
+
+
+@dataclass(frozen=True, slots=True)
 class Request:
     """One generation: a prompt and how many tokens to generate after it (end-of-text ignored)."""
 
@@ -45,14 +60,20 @@ class Request:
 
 
 def make_requests(
-    corpus: list[int], n: int, max_new: int, *, seed: int, max_prompt: int = LONG[1], bos: int | None = None
+    corpus: list[int],
+    n: int,
+    max_new: int,
+    *,
+    seed: int,
+    max_prompt: int = LONG[1],
+    bos: int | None = None,
+    buckets: tuple[tuple[int, int], ...] = PROMPT_HEAVY.buckets,
 ) -> list[Request]:
-    """`n` requests whose prompts are seeded windows of `corpus`: a third short, medium and long each."""
+    """`n` requests whose prompts are seeded windows of `corpus`, lengths from each bucket in turn."""
     rng = random.Random(seed)
-    buckets = [SHORT, MEDIUM, LONG]
     out = []
     for rid in range(n):
-        low, high = buckets[rid % 3]
+        low, high = buckets[rid % len(buckets)]
         length = min(rng.randint(low, high), max_prompt, len(corpus))
         start = rng.randrange(0, len(corpus) - length + 1)
         body = corpus[start : start + length]

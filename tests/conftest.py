@@ -9,13 +9,17 @@ import pytest
 
 from engine.backend import ContextConfig, StageBackend
 from neuron_tai.shard import stage_bounds, write_stages
-from neuron_tai.testmodel import TinySpec, write_tiny_model
+from testkit.models import TinySpec, write_tiny_model
 
 TINY_GEMMA = TinySpec(arch="gemma3", n_layer=6, sliding_window=4, seed=99)
 # Q4_K_M as llama.cpp's quantizer mixes it (Q4_K matrices, Q6_K output and some attn_v and
 # ffn_down, F32 norms). Rows of 256 and 512 elements fit K-quant blocks, and every matrix
 # has a multiple of 8 rows (128, 256, 512), so CPU_REPACK takes the Q4_K ones on AVX2.
 TINY_QUANT = TinySpec(n_embd=256, n_ff=512, quant="q4_k_m", seed=4321)
+# The real-shape generator's path at test scale: random Q8_0 tensors streamed to disk, requantized
+# to Q4_K_M, a vocabulary padded with unused tokens, and a head tied to the embedding (as Llama-3.2-1B).
+TINY_SHAPED = TinySpec(n_embd=256, n_ff=512, n_vocab=1024, tied_output=True, source="q8_0", quant="q4_k_m",
+                       seed=2024, name="tiny real-shape llama")  # fmt: skip
 
 
 @pytest.fixture(scope="session")
@@ -51,6 +55,11 @@ def tiny_quant_shards2(tiny_quant: Path, model_dir: Path) -> list[Path]:
 @pytest.fixture(scope="session")
 def tiny_quant_shards3(tiny_quant: Path, model_dir: Path) -> list[Path]:
     return write_stages(tiny_quant, model_dir / "q3", stage_bounds(4, split=[1, 3]))
+
+
+@pytest.fixture(scope="session")
+def tiny_shaped(model_dir: Path) -> Path:
+    return write_tiny_model(model_dir / "tiny-shaped-q4_k_m.gguf", TINY_SHAPED)
 
 
 @pytest.fixture(scope="session")

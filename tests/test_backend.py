@@ -18,12 +18,12 @@ from engine.backend import (
     StageBackend,
 )
 from engine.llama_handles import LlamaModel, capture_llama_log
-from engine.local_chain import LocalChain
 from engine.messages import Output, Refused
 from neuron_tai.shard import write_stages
-from neuron_tai.testmodel import TinySpec, write_tiny_model
 from protocol.errors import ErrorCode
 from protocol.sampling import Sampling
+from testkit.local_chain import LocalChain
+from testkit.models import TinySpec, write_tiny_model
 from tests.conftest import CONFIG, OpenBackend
 
 

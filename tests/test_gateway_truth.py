@@ -23,8 +23,8 @@ import trio
 from gguf import GGUFReader
 
 from neuron_tai.client import Client, open_client
-from neuron_tai.testmodel import vocabulary, write_tiny_model
 from neuron_tai.text_stream import CONTEXT, WINDOW
+from testkit.models import vocabulary, write_tiny_model
 from tests.nodes import NodeProcess, running
 from tests.test_gateway import PROMPT, _free_port, gateway, node_text
 

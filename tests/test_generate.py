@@ -17,7 +17,7 @@ import zmq
 from neuron_tai.client import Client, Done, Generated, NodeError, open_client
 from neuron_tai.config import NodeConfig
 from neuron_tai.node import Node, open_node
-from neuron_tai.testmodel import TinySpec, write_tiny_model
+from testkit.models import TinySpec, write_tiny_model
 from tests.held import held_decodes, wait_until
 from tests.test_node import engine_config, node_and_client, prompt
 

@@ -24,7 +24,7 @@ from neuron_tai.shard import (
     stage_bounds,
     write_shard,
 )
-from neuron_tai.testmodel import write_tiny_model
+from testkit.models import write_tiny_model
 
 
 def open_reader(path: Path) -> gguf.GGUFReader:

@@ -1,6 +1,6 @@
 """Incremental detokenization equals detokenizing the whole sequence, on the tiny models' real vocabulary.
 
-The tiny vocabulary is SentencePiece-style with byte fallback (`neuron_tai.testmodel`), so
+The tiny vocabulary is SentencePiece-style with byte fallback (`testkit.models`), so
 multi-byte characters arrive one byte token at a time, and pieces carry the leading-space
 marker that a first token loses.
 """
@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.backend import StageBackend
-from neuron_tai.testmodel import vocabulary
 from neuron_tai.text_stream import CONTEXT, WINDOW, TextStream
+from testkit.models import vocabulary
 from tests.conftest import CONFIG
 
 TOKENS = vocabulary()[0]
