@@ -36,23 +36,17 @@ plans it returns, and reports back. The policy (DESIGN.md):
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Hashable, Iterable
+from collections import Counter, deque
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
-from protocol.errors import ErrorCode
+from protocol.errors import ErrorCode, Fault
 
 SessionKey = Any  # any hashable; the engine uses (connection, session id)
 Owner = Hashable  # who an open counts against for the per-owner quotas; the engine: the connection
-
-
-@dataclass(frozen=True, slots=True)
-class Rejection:
-    code: ErrorCode
-    message: str
-    retry_after_ms: int | None = None
-    quota: str | None = None  # the per-owner quota that refused it: "sessions" or "waiting"
+StepPayload = TypeVar("StepPayload")  # what the engine keeps with a step (its input, where its reply goes)
+OpenPayload = TypeVar("OpenPayload")  # what the engine keeps with a waiting open
 
 
 # llama.cpp's CPU flash attention tiles calls of 64 or more query rows over the KV cells in
@@ -116,7 +110,7 @@ class SchedulerConfig:
 
 
 @dataclass(slots=True)
-class Step:
+class Step(Generic[StepPayload]):
     """An accepted step; `done` rows of it have run."""
 
     key: SessionKey
@@ -124,7 +118,7 @@ class Step:
     n: int
     nbytes: int
     arrival: int
-    payload: object = None  # the engine's input and reply handle; opaque here
+    payload: StepPayload  # the engine's input and reply handle; opaque here
     done: int = 0
     submitted_iteration: int = 0  # the last iteration planned before it arrived
 
@@ -134,24 +128,24 @@ class Step:
 
 
 @dataclass(slots=True)
-class Session:
+class Session(Generic[StepPayload]):
     key: SessionKey
     max_tokens: int
     opened_ms: float
     seq: int = -1  # the backend's sequence id, bound by the engine
     length: int = 0
-    step: Step | None = None
+    step: Step[StepPayload] | None = None
     last_active_ms: float = 0.0
     group: int = 0  # its micro-batch, fixed at admission
     owner: Owner = None
 
 
 @dataclass(slots=True)
-class Waiter:
+class Waiter(Generic[OpenPayload]):
     key: SessionKey
     max_tokens: int
     deadline_ms: float
-    payload: object = None
+    payload: OpenPayload
     overtaken: int = 0  # opens admitted while this one waited ahead of them
     owner: Owner = None
 
@@ -204,15 +198,22 @@ class _Estimates:
         self.session_ms += 0.2 * (ms - self.session_ms)
 
 
+Admitted = tuple[Waiter[OpenPayload], Session[StepPayload]]  # a waiting open, now a session
+Refused = tuple[Waiter[OpenPayload], Fault]  # a waiting open refused (expired, over quota, draining)
+
+
 def _round_up(n: int, k: int) -> int:
     return -(-n // k) * k
 
 
 @dataclass(slots=True)
-class Scheduler:
+class Scheduler(Generic[StepPayload, OpenPayload]):
+    """The policy above over the engine's sessions; `StepPayload` and `OpenPayload` are what the
+    engine keeps with a step and with a waiting open (opaque here, typed there)."""
+
     config: SchedulerConfig
-    sessions: dict[SessionKey, Session] = field(default_factory=dict)
-    waiting: deque[Waiter] = field(default_factory=deque)
+    sessions: dict[SessionKey, Session[StepPayload]] = field(default_factory=dict)
+    waiting: deque[Waiter[OpenPayload]] = field(default_factory=deque)
     kv_reserved: int = 0
     kv_held: int = 0  # cells of closed sessions and rewound tails not yet released (batch-invariant mode)
     compaction_failed_at: int | None = None  # kv_held when a compaction last failed: not retried at it
@@ -220,6 +221,7 @@ class Scheduler:
     shutting_down: bool = False
     iteration: int = 0
     estimates: _Estimates = field(default_factory=_Estimates)
+    quota_refused: Counter[str] = field(default_factory=Counter)  # opens a per-owner quota refused, by quota
     _arrivals: int = 0
     _rr: deque[SessionKey] = field(default_factory=deque)  # prefilling sessions, next first
 
@@ -235,10 +237,10 @@ class Scheduler:
         quota = self.config.sessions_per_owner
         return quota < self.config.max_sessions and self.held_by(owner)[0] >= quota
 
-    def _over_quota(self) -> Rejection:
+    def _over_quota(self) -> Fault:
         n = self.config.sessions_per_owner
-        return Rejection(ErrorCode.SESSION_LIMIT, f"this connection holds its quota of {n} sessions", self._retry_ms(),
-                         quota="sessions")  # fmt: skip
+        self.quota_refused["sessions"] += 1
+        return Fault(ErrorCode.SESSION_LIMIT, f"this connection holds its quota of {n} sessions", self._retry_ms())
 
     def _retry_ms(self) -> int:
         """When room for an open may free up: about a session's life shared by the sessions open."""
@@ -251,27 +253,39 @@ class Scheduler:
     def _may_compact(self) -> bool:
         return self.kv_held > 0 and self.kv_held != self.compaction_failed_at and not self.shutting_down
 
-    def _shortage(self, max_tokens: int) -> Rejection:
+    def _shortage(self, max_tokens: int) -> Fault:
         cfg = self.config
         retry = self._retry_ms()
         if len(self.sessions) >= cfg.max_sessions:
-            return Rejection(
-                ErrorCode.SESSION_LIMIT, f"the node holds its maximum of {cfg.max_sessions} sessions", retry
-            )
+            return Fault(ErrorCode.SESSION_LIMIT, f"the node holds its maximum of {cfg.max_sessions} sessions", retry)
         free = cfg.kv_cells - self.kv_reserved - self.kv_held
-        return Rejection(ErrorCode.KV_BUDGET, f"{max_tokens} KV cells requested, {free} of {cfg.kv_cells} free", retry)
+        return Fault(ErrorCode.KV_BUDGET, f"{max_tokens} KV cells requested, {free} of {cfg.kv_cells} free", retry)
 
     def request_open(
-        self, key: SessionKey, max_tokens: int, wait_ms: int, now_ms: float, payload: object = None, owner: Owner = None
-    ) -> Session | Waiter | Rejection:
-        """Admit now, queue for up to `wait_ms`, or reject with a reason."""
+        self,
+        key: SessionKey,
+        max_tokens: int,
+        wait_ms: int,
+        now_ms: float,
+        payload: OpenPayload,
+        owner: Owner = None,
+    ) -> Session[StepPayload] | Waiter[OpenPayload] | Fault:
+        """Admit now, queue for up to `wait_ms`, or refuse with a reason. An open that could not
+        fit even on an empty node is `too_large` (never retryable); one that may fit later, the
+        shortage (`kv_budget`, `session_limit`) with a retry estimate."""
         cfg = self.config
         if self.shutting_down:
-            return Rejection(ErrorCode.SHUTTING_DOWN, "the node is draining")
+            return Fault(ErrorCode.SHUTTING_DOWN, "the node is draining")
+        if max_tokens < 1:
+            return Fault(ErrorCode.BAD_REQUEST, "max_tokens must be >= 1")
         if key in self.sessions or any(w.key == key for w in self.waiting):
-            return Rejection(ErrorCode.SESSION_EXISTS, "a session with this id is open")
+            return Fault(ErrorCode.SESSION_EXISTS, "a session with this id is open")
         if max_tokens > cfg.kv_cells:
-            return Rejection(ErrorCode.KV_BUDGET, f"max_tokens {max_tokens} exceeds the node's {cfg.kv_cells} cells")
+            # Cells are one unified cache: the context one sequence may have is the whole cache.
+            return Fault(
+                ErrorCode.TOO_LARGE,
+                f"max_tokens {max_tokens} exceeds the node's {cfg.kv_cells} KV cells (the most one session may hold)",
+            )
         if self._at_quota(owner):
             return self._over_quota()
         if self._fits(max_tokens) and self._may_overtake():
@@ -287,7 +301,8 @@ class Scheduler:
                 return waiter
             short = self._shortage(max_tokens)
             quota = f"; this connection already has its quota of {cfg.waiting_per_owner} waiting opens"
-            return Rejection(short.code, short.message + quota, short.retry_after_ms, quota="waiting")
+            self.quota_refused["waiting"] += 1
+            return Fault(short.code, short.message + quota, short.retry_after_ms)
         return self._shortage(max_tokens)
 
     def held_by(self, owner: Owner) -> tuple[int, int]:
@@ -297,12 +312,14 @@ class Scheduler:
             sum(1 for w in self.waiting if w.owner == owner),
         )
 
-    def _admit(self, key: SessionKey, max_tokens: int, now_ms: float, owner: Owner) -> Session:
+    def _admit(self, key: SessionKey, max_tokens: int, now_ms: float, owner: Owner) -> Session[StepPayload]:
         sizes = [0] * self.config.micro_batches
         for other in self.sessions.values():
             sizes[other.group] += 1
         group = sizes.index(min(sizes))
-        session = Session(key, max_tokens, opened_ms=now_ms, last_active_ms=now_ms, group=group, owner=owner)
+        session: Session[StepPayload] = Session(
+            key, max_tokens, opened_ms=now_ms, last_active_ms=now_ms, group=group, owner=owner
+        )
         self.sessions[key] = session
         self.kv_reserved += max_tokens
         return session
@@ -312,23 +329,27 @@ class Scheduler:
         against all opens waiting ahead of it, so the oldest has been overtaken most."""
         return not self.waiting or self.waiting[0].overtaken < self.config.max_overtakes
 
-    def poll_waiting(self, now_ms: float) -> tuple[list[tuple[Waiter, Session]], list[tuple[Waiter, Rejection]]]:
+    def poll_waiting(
+        self, now_ms: float
+    ) -> tuple[list[Admitted[OpenPayload, StepPayload]], list[Refused[OpenPayload]]]:
         """Admit, oldest first, the waiters that fit (bounded overtaking); expire those past their
         deadline (and admit again behind an expired one that held admission). A waiter whose turn
         comes while its owner holds its quota of sessions is refused with the expired ones."""
-        expired: list[tuple[Waiter, Rejection]] = []
+        expired: list[Refused[OpenPayload]] = []
         admitted = self._admit_waiting(now_ms, expired)
         for w in list(self.waiting):
             if self.shutting_down or w.deadline_ms <= now_ms:
                 self.waiting.remove(w)
-                why = Rejection(ErrorCode.SHUTTING_DOWN, "the node is draining") if self.shutting_down else None
+                why = Fault(ErrorCode.SHUTTING_DOWN, "the node is draining") if self.shutting_down else None
                 expired.append((w, why or self._shortage(w.max_tokens)))
         if expired:
             admitted += self._admit_waiting(now_ms, expired)
         return admitted, expired
 
-    def _admit_waiting(self, now_ms: float, refused: list[tuple[Waiter, Rejection]]) -> list[tuple[Waiter, Session]]:
-        admitted: list[tuple[Waiter, Session]] = []
+    def _admit_waiting(
+        self, now_ms: float, refused: list[Refused[OpenPayload]]
+    ) -> list[Admitted[OpenPayload, StepPayload]]:
+        admitted: list[Admitted[OpenPayload, StepPayload]] = []
         i = 0
         while i < len(self.waiting) and not self.shutting_down:
             w = self.waiting[i]
@@ -347,7 +368,7 @@ class Scheduler:
                 break
         return admitted
 
-    def drop_waiting(self, owner: Owner) -> list[Waiter]:
+    def drop_waiting(self, owner: Owner) -> list[Waiter[OpenPayload]]:
         """Forget the owner's waiting opens (its connection is gone); they are returned to be answered."""
         dropped = [w for w in self.waiting if w.owner == owner]
         for w in dropped:
@@ -357,7 +378,7 @@ class Scheduler:
     def next_deadline_ms(self) -> float | None:
         return min((w.deadline_ms for w in self.waiting), default=None)
 
-    def close(self, key: SessionKey, now_ms: float) -> Session | None:
+    def close(self, key: SessionKey, now_ms: float) -> Session[StepPayload] | None:
         """Forget a session (and its pending step, returned on the session); None if unknown."""
         session = self.sessions.pop(key, None)
         if session is None:
@@ -373,26 +394,41 @@ class Scheduler:
     # -- steps -------------------------------------------------------------------
 
     def submit(
-        self, key: SessionKey, pos: int, n: int, nbytes: int, now_ms: float, payload: object = None
-    ) -> Step | Rejection:
-        """Accept a step or refuse it; an accepted rewind (pos < length) shortens the session."""
+        self,
+        key: SessionKey,
+        pos: int,
+        n: int,
+        nbytes: int,
+        now_ms: float,
+        payload: StepPayload,
+        can_rewind: Callable[[int, int], bool] | None = None,
+    ) -> Step[StepPayload] | Fault:
+        """Accept a step or refuse it; an accepted rewind (pos < length) shortens the session.
+
+        The one place a step's session state is checked. `can_rewind(seq, pos)` says whether
+        the backend can still go back to `pos` (a sliding window forgets); None: always.
+        """
         cfg = self.config
         if self.shutting_down:
-            return Rejection(ErrorCode.SHUTTING_DOWN, "the node is draining")
+            return Fault(ErrorCode.SHUTTING_DOWN, "the node is draining")
         session = self.sessions.get(key)
         if session is None:
-            return Rejection(ErrorCode.UNKNOWN_SESSION, "no such open session on this connection")
+            return Fault(ErrorCode.UNKNOWN_SESSION, "no such open session on this connection")
         if session.step is not None:
-            return Rejection(ErrorCode.BUSY, "the session already has a step in flight", self.busy_retry_ms())
+            return Fault(ErrorCode.BUSY, "the session already has a step in flight", self.busy_retry_ms())
+        if n < 1:
+            return Fault(ErrorCode.BAD_REQUEST, "a step needs n >= 1")
         if n > cfg.max_step_tokens:
-            return Rejection(ErrorCode.TOO_LARGE, f"n={n} exceeds max_step_tokens {cfg.max_step_tokens}")
-        if n < 1 or pos < 0 or pos > session.length or pos + n > session.max_tokens:
-            return Rejection(
+            return Fault(ErrorCode.TOO_LARGE, f"n={n} exceeds max_step_tokens {cfg.max_step_tokens}")
+        if pos < 0 or pos > session.length or pos + n > session.max_tokens:
+            return Fault(
                 ErrorCode.POSITION,
                 f"step at pos={pos} n={n}: session holds {session.length} of max_tokens {session.max_tokens}",
             )
+        if pos < session.length and can_rewind is not None and not can_rewind(session.seq, pos):
+            return Fault(ErrorCode.POSITION, f"cannot rewind to {pos}: outside the sliding window")
         if self.queued_bytes + nbytes > cfg.queue_budget_bytes:
-            return Rejection(
+            return Fault(
                 ErrorCode.BUSY, f"queue budget full ({self.queued_bytes} of {cfg.queue_budget_bytes} bytes)",
                 self.busy_retry_ms(),
             )  # fmt: skip
@@ -475,10 +511,10 @@ class Scheduler:
             self._rr.append(key)
         return chunks
 
-    def commit(self, plan: Plan, now_ms: float, step_ms: float) -> list[Step]:
+    def commit(self, plan: Plan, now_ms: float, step_ms: float) -> list[Step[StepPayload]]:
         """Record a plan that ran; returns the steps it completed (to be answered)."""
         self.estimates.observe_step(step_ms)
-        finished: list[Step] = []
+        finished: list[Step[StepPayload]] = []
         for chunk in plan.chunks:
             session = self.sessions[chunk.key]
             step = session.step
@@ -494,9 +530,9 @@ class Scheduler:
                     self._rr.remove(chunk.key)
         return finished
 
-    def fail(self, plan: Plan) -> list[Step]:
+    def fail(self, plan: Plan) -> list[Step[StepPayload]]:
         """A plan's call failed: its steps are dropped and their sessions set back to each step's start."""
-        failed: list[Step] = []
+        failed: list[Step[StepPayload]] = []
         for key in dict.fromkeys(c.key for c in plan.chunks):
             session = self.sessions[key]
             step = session.step
@@ -546,7 +582,7 @@ class Scheduler:
     def idle_sessions(self, now_ms: float, idle_ms: float) -> list[SessionKey]:
         return [k for k, s in self.sessions.items() if s.step is None and now_ms - s.last_active_ms >= idle_ms]
 
-    def begin_shutdown(self, now_ms: float) -> list[tuple[Waiter, Rejection]]:
+    def begin_shutdown(self, now_ms: float) -> list[Refused[OpenPayload]]:
         """Refuse new work from now on; waiting opens are rejected."""
         self.shutting_down = True
         return self.poll_waiting(now_ms)[1]
