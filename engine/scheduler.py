@@ -202,14 +202,51 @@ Admitted = tuple[Waiter[OpenPayload], Session[StepPayload]]  # a waiting open, n
 Refused = tuple[Waiter[OpenPayload], Fault]  # a waiting open refused (expired, over quota, draining)
 
 
+def _by_group(sessions: dict[SessionKey, Session[Any]], chunks: list[Chunk]) -> list[tuple[Chunk, ...]]:
+    """Chunks split by their sessions' micro-batch; the group whose work came first runs first."""
+    groups: dict[int, list[Chunk]] = {}
+    for chunk in chunks:  # decodes (in arrival order) first: a group's first chunk is its oldest decode
+        groups.setdefault(sessions[chunk.key].group, []).append(chunk)
+    return [tuple(g) for g in groups.values()]
+
+
+def _prefill_chunks(
+    sessions: dict[SessionKey, Session[Any]],
+    rr: deque[SessionKey],
+    budget: int,
+    aligned_to: int | None,
+    limit_sessions: int | None = None,
+) -> list[Chunk]:
+    """Round-robin: serve the prefilling sessions of `rr` in turn; whoever was served goes to the back.
+    With `aligned_to`, chunk boundaries fall at its multiples: independent of load."""
+    chunks: list[Chunk] = []
+    served: list[SessionKey] = []
+    for key in list(rr):
+        if budget <= 0 or (limit_sessions is not None and len(served) >= limit_sessions):
+            break
+        session = sessions[key]
+        step = session.step
+        assert step is not None
+        start = step.pos + step.done
+        count = min(step.n - step.done, budget)
+        if aligned_to is not None:
+            count = min(count, (start // aligned_to + 1) * aligned_to - start)
+        chunks.append(Chunk(key, session.seq, start, step.done, count, step.done + count == step.n))
+        budget -= count
+        served.append(key)
+    for key in served:
+        rr.remove(key)
+        rr.append(key)
+    return chunks
+
+
 def _round_up(n: int, k: int) -> int:
     return -(-n // k) * k
 
 
 @dataclass(slots=True)
 class Scheduler(Generic[StepPayload, OpenPayload]):
-    """The policy above over the engine's sessions; `StepPayload` and `OpenPayload` are what the
-    engine keeps with a step and with a waiting open (opaque here, typed there)."""
+    """The policy above; the payloads are what the engine keeps with a step and a waiting open."""
 
     config: SchedulerConfig
     sessions: dict[SessionKey, Session[StepPayload]] = field(default_factory=dict)
@@ -466,50 +503,22 @@ class Scheduler(Generic[StepPayload, OpenPayload]):
         decode_chunks = [Chunk(s.key, s.seq, s.length, 0, 1, True) for s in decodes]
         calls: list[Call] = []
         if cfg.batch_invariant:
-            for group in self._by_group(decode_chunks):
+            for group in _by_group(self.sessions, decode_chunks):
                 calls.append(Call(group, _round_up(len(group), cfg.pad_rows) - len(group)))
-            prefill = self._prefill_chunks(cfg.max_prefill_tokens, aligned=True, limit_sessions=1)
+            prefill = _prefill_chunks(
+                self.sessions, self._rr, cfg.max_prefill_tokens, cfg.max_prefill_tokens, limit_sessions=1
+            )
             calls += [Call((c,)) for c in prefill]
         else:
             budget = min(cfg.n_batch - len(decode_chunks), cfg.max_prefill_tokens)
             if decode_chunks and prefill_budget is not None:
                 budget = min(budget, max(0, prefill_budget))
-            chunks = decode_chunks + self._prefill_chunks(budget, aligned=False)
-            calls += [Call(group) for group in self._by_group(chunks)]
+            chunks = decode_chunks + _prefill_chunks(self.sessions, self._rr, budget, None)
+            calls += [Call(group) for group in _by_group(self.sessions, chunks)]
         if not calls:
             return None
         self.iteration += 1
         return Plan(self.iteration, tuple(calls))
-
-    def _by_group(self, chunks: list[Chunk]) -> list[tuple[Chunk, ...]]:
-        """Chunks split by their sessions' micro-batch; the group whose work came first runs first."""
-        groups: dict[int, list[Chunk]] = {}
-        for chunk in chunks:  # decodes (in arrival order) first: a group's first chunk is its oldest decode
-            groups.setdefault(self.sessions[chunk.key].group, []).append(chunk)
-        return [tuple(g) for g in groups.values()]
-
-    def _prefill_chunks(self, budget: int, *, aligned: bool, limit_sessions: int | None = None) -> list[Chunk]:
-        """Round-robin: serve prefilling sessions in turn; whoever was served goes to the back."""
-        chunks: list[Chunk] = []
-        served: list[SessionKey] = []
-        for key in list(self._rr):
-            if budget <= 0 or (limit_sessions is not None and len(served) >= limit_sessions):
-                break
-            session = self.sessions[key]
-            step = session.step
-            assert step is not None
-            start = step.pos + step.done
-            count = min(step.n - step.done, budget)
-            if aligned:  # chunk boundaries at multiples of the chunk size: independent of load
-                size = self.config.max_prefill_tokens
-                count = min(count, (start // size + 1) * size - start)
-            chunks.append(Chunk(key, session.seq, start, step.done, count, step.done + count == step.n))
-            budget -= count
-            served.append(key)
-        for key in served:
-            self._rr.remove(key)
-            self._rr.append(key)
-        return chunks
 
     def commit(self, plan: Plan, now_ms: float, step_ms: float) -> list[Step[StepPayload]]:
         """Record a plan that ran; returns the steps it completed (to be answered)."""

@@ -20,7 +20,6 @@ from engine.messages import (
     Closed,
     CloseRequest,
     DropOwner,
-    Failure,
     Opened,
     OpenRequest,
     Output,
@@ -29,8 +28,8 @@ from engine.messages import (
     StepDone,
     StepRequest,
 )
+from protocol.errors import ErrorCode, Fault
 from protocol.sampling import Sampling
-from protocol.errors import ErrorCode
 from tests.held import held_decodes, wait_until
 
 
@@ -143,8 +142,8 @@ async def test_flood_gets_busy_and_stays_bounded(tiny_model: Path) -> None:
                 assert stats["queue_bytes"] <= cfg.queue_budget_bytes
                 assert engine._inbox.statistics().current_buffer_used <= cfg.inbox_size
                 await trio.sleep(0)
-        immediate = [r for r in replies if isinstance(r, Failure) and "inbox is full" in r.message]
-        busy = [f for f in replies if isinstance(f, Failure) and f.code == "busy"]
+        immediate = [r for r in replies if isinstance(r, Fault) and "inbox is full" in r.message]
+        busy = [f for f in replies if isinstance(f, Fault) and f.code == "busy"]
         done = [r for r in replies if isinstance(r, StepDone)]
         assert immediate and all(f.code == "busy" and f.retry_after_ms for f in immediate)
         assert busy and done
@@ -158,7 +157,7 @@ async def test_waiting_open_is_admitted_when_capacity_frees(tiny_model: Path) ->
     async with open_engine(config(tiny_model, max_sessions=1)) as engine:
         assert isinstance(await engine.request(OpenRequest("c", "a", 100)), Opened)
         quick = await engine.request(OpenRequest("c", "b", 100, wait_ms=30))
-        assert isinstance(quick, Failure) and quick.code == "session_limit" and quick.retry_after_ms
+        assert isinstance(quick, Fault) and quick.code == "session_limit" and quick.retry_after_ms
         got: list[Result] = []
 
         async def waiter() -> None:
@@ -178,7 +177,7 @@ async def test_kv_budget_rejection_and_reservation(tiny_model: Path) -> None:
         assert engine.stats()["kv_cells_total"] == 512
         assert isinstance(await engine.request(OpenRequest("c", "a", 400)), Opened)
         r = await engine.request(OpenRequest("c", "b", 200))
-        assert isinstance(r, Failure) and r.code == "kv_budget" and "112 of 512 free" in r.message
+        assert isinstance(r, Fault) and r.code == "kv_budget" and "112 of 512 free" in r.message
         stats = engine.stats()
         assert stats["kv_cells_reserved"] == 400 and stats["kv_pressure"] == pytest.approx(400 / 512)
 
@@ -204,7 +203,7 @@ async def test_sessions_belong_to_their_owner_and_drop_owner_frees_them(tiny_mod
     async with open_engine(config(tiny_model)) as engine:
         await engine.request(OpenRequest("alice", "s", 50))
         r = await engine.request(StepRequest("bob", "s", 0, Output.TOKEN, tokens=tokens([1, 5])))
-        assert isinstance(r, Failure) and r.code == "unknown_session"
+        assert isinstance(r, Fault) and r.code == "unknown_session"
         closed = await engine.request(CloseRequest("bob", "s"))
         assert closed.existed is False  # type: ignore[union-attr]
         assert isinstance(await engine.request(OpenRequest("bob", "s", 50)), Opened)  # same id, other owner
@@ -229,7 +228,7 @@ async def test_step_errors_are_answered_and_change_nothing(tiny_model: Path) -> 
         ]
         for request, code in cases:
             r = await engine.request(request)
-            assert isinstance(r, Failure) and r.code == code, (request, r)
+            assert isinstance(r, Fault) and r.code == code, (request, r)
         # Retrying the first step (a rewind to 0) is idempotent.
         again = await engine.request(StepRequest("c", "s", 0, Output.LOGITS, tokens=tokens([1, 5, 6])))
         assert isinstance(again, StepDone) and again.logits is not None and first.logits is not None
@@ -251,7 +250,7 @@ async def test_shutdown_drains_in_flight_work_and_refuses_new(tiny_model: Path) 
                 await trio.sleep(0)
             engine.begin_shutdown()
             refused = await engine.request(OpenRequest("c", "t", 10))
-            assert isinstance(refused, Failure) and refused.code == "shutting_down"
+            assert isinstance(refused, Fault) and refused.code == "shutting_down"
     assert len(results) == 1 and isinstance(results[0], StepDone)
 
 
@@ -289,9 +288,9 @@ async def test_cleanups_are_taken_when_the_inbox_is_full_and_while_draining(tiny
             assert engine.cleanup_nowait(Rollback("c", "s0", 2)) is done
             engine.cleanup_nowait(CloseRequest("c", "s1"))
             await done.wait()
-        assert any(isinstance(r, Failure) and "inbox is full" in r.message for r in refusals)
+        assert any(isinstance(r, Fault) and "inbox is full" in r.message for r in refusals)
         gap = await engine.request(StepRequest("c", "s0", 2, Output.TOKEN, tokens=tokens([5])))
-        assert isinstance(gap, Failure) and gap.code == "position"  # rolled back to 1
+        assert isinstance(gap, Fault) and gap.code == "position"  # rolled back to 1
         assert engine.stats()["sessions_active"] == 2 and engine.stats()["cleanups_total"] == 3
         engine.begin_shutdown()
         await engine.cleanup(DropOwner("c"))
@@ -323,9 +322,9 @@ async def test_an_owner_past_its_share_of_the_inbox_is_busy_while_others_are_tak
                 await trio.sleep(0.05)
                 assert not other, "another owner's step was answered while the loop was held"
                 release.set()
-        busy = [r for r in flood if isinstance(r, Failure) and r.code == "busy"]
+        busy = [r for r in flood if isinstance(r, Fault) and r.code == "busy"]
         assert len(busy) == 2 and all("quota of 3 requests" in f.message and f.retry_after_ms for f in busy)
-        codes = sorted(r.code for r in flood if isinstance(r, Failure) and r.code != "busy")
+        codes = sorted(r.code for r in flood if isinstance(r, Fault) and r.code != "busy")
         assert codes == ["unknown_session"] * 3 and sum(isinstance(r, StepDone) for r in flood) == 1
         assert len(other) == 1 and isinstance(other[0], StepDone)
         stats = engine.stats()
@@ -354,7 +353,7 @@ async def test_closes_are_never_refused_and_duplicates_merge(tiny_model: Path) -
                 await trio.sleep(0.05)
                 assert engine.stats()["cleanups_pending"] == 2  # three closes of s1 are one
                 release.set()
-        assert [r.code for r in refused if isinstance(r, Failure)] == ["busy", "busy"]
+        assert [r.code for r in refused if isinstance(r, Fault)] == ["busy", "busy"]
         closed = [r for r in results if isinstance(r, Closed)]
         assert sorted((c.session, c.existed) for c in closed) == [("nope", False), ("s1", False), ("s1", False),
                                                                   ("s1", True)]  # fmt: skip
@@ -370,7 +369,7 @@ async def test_a_gone_owner_s_waiting_open_is_answered(tiny_model: Path) -> None
             await wait_until(lambda: engine.stats()["sessions_waiting"] > 0)
             await engine.cleanup(DropOwner("x"))
             await wait_until(lambda: bool(answer))  # answered (within 10 s), not left hanging
-        assert isinstance(answer[0], Failure) and answer[0].code == "unknown_session"
+        assert isinstance(answer[0], Fault) and answer[0].code == "unknown_session"
         assert engine.stats()["sessions_waiting"] == 0 and engine.stats()["sessions_active"] == 1
 
 
@@ -613,7 +612,7 @@ async def test_a_step_that_finds_no_kv_slot_alone_is_busy_and_changes_nothing(ti
         real = engine.backend.decode
         no_kv_slot_for(engine, lambda _segments: True)
         refused = await engine.request(StepRequest("c", "s", 6, Output.TOKEN, tokens=tokens([5])))
-        assert isinstance(refused, Failure) and refused.code == ErrorCode.BUSY and refused.retry_after_ms
+        assert isinstance(refused, Fault) and refused.code == ErrorCode.BUSY and refused.retry_after_ms
         engine.backend.decode = real  # type: ignore[method-assign]
         again = await engine.request(StepRequest("c", "s", 6, Output.TOKEN, tokens=tokens([5])))
         assert isinstance(again, StepDone) and engine.stats()["kv_cells_used"] == 7
