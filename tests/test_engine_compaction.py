@@ -18,6 +18,7 @@ from engine.engine import Engine, open_engine
 from engine.llama_handles import SeqState
 from engine.messages import CloseRequest, Opened, OpenRequest, Output, StepDone, StepRequest
 from engine.scheduler import Scheduler
+from engine.sessions import Sessions
 from protocol.errors import ErrorCode, Fault
 from tests.test_engine import config, prompt, tokens
 
@@ -231,7 +232,7 @@ async def test_a_rewound_tail_is_held_not_freed_among_other_sessions(
             assert isinstance(r, StepDone) and r.logits is not None
             b_alone.append(r.logits)
     if not hold:
-        monkeypatch.setattr(Engine, "_rewind", lambda self, seq, pos: self.backend.rewind(seq, pos))
+        monkeypatch.setattr(Sessions, "rewind", lambda self, seq, pos: self.backend.rewind(seq, pos))
     async with open_engine(config(tiny_model, **CHURN)) as engine:
         a_shared, b_shared = await run(engine, with_b=True)
     assert all(np.array_equal(x, y) for x, y in zip(b_shared, b_alone, strict=True))
