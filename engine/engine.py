@@ -312,6 +312,9 @@ class Engine:
             self.sessions.clean(pending)
 
     async def _wait_for_work(self) -> None:
+        if self._cleanups or self.draining:  # came while the loop handed over session ends: look again
+            await trio.lowlevel.checkpoint()
+            return
         deadlines = [d for d in (self.scheduler.next_deadline_ms(), self._idle_deadline_ms()) if d is not None]
         deadline = trio.current_time() + (min(deadlines) - now_ms()) / 1000 if deadlines else math.inf
         with trio.CancelScope(deadline=deadline) as self._idle_scope:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import FrozenInstanceError, replace
 from pathlib import Path
 from typing import Any
 
@@ -17,17 +17,23 @@ from engine.config import EngineConfig
 from engine.engine import Engine, open_engine
 from engine.kernels import INVARIANT_PAD_ROWS
 from engine.messages import (
+    CloseAnswered,
     Closed,
     CloseRequest,
     DropOwner,
+    EndReason,
     Opened,
     OpenRequest,
     Output,
     Result,
     Rollback,
+    SessionEnd,
+    SessionEnded,
     StepDone,
     StepRequest,
 )
+from engine.session_ends import SESSION_ENDS_BUFFER
+from engine.statistics import wire_stats
 from protocol.errors import ErrorCode, Fault
 from protocol.sampling import Sampling
 from tests.held import held_decodes, wait_until
@@ -175,11 +181,26 @@ async def test_waiting_open_is_admitted_when_capacity_frees(tiny_model: Path) ->
 async def test_kv_budget_rejection_and_reservation(tiny_model: Path) -> None:
     async with open_engine(config(tiny_model, kv_cells=512)) as engine:
         assert engine.stats()["kv_cells_total"] == 512
-        assert isinstance(await engine.request(OpenRequest("c", "a", 400)), Opened)
+        opened = await engine.request(OpenRequest("c", "a", 400))
+        assert isinstance(opened, Opened) and opened.max_tokens == 400
         r = await engine.request(OpenRequest("c", "b", 200))
         assert isinstance(r, Fault) and r.code == "kv_budget" and "112 of 512 free" in r.message
+        assert r.retry_after_ms is not None  # not now: it fits once "a" closes
         stats = engine.stats()
         assert stats["kv_cells_reserved"] == 400 and stats["kv_pressure"] == pytest.approx(400 / 512)
+
+
+async def test_an_open_that_can_never_fit_is_too_large_not_kv_budget(tiny_model: Path) -> None:
+    """More than the node's KV cells (a sequence may have all of them, no more) never fits: no retry."""
+    async with open_engine(config(tiny_model, kv_cells=512)) as engine:
+        for max_tokens in (513, 100_000):
+            r = await engine.request(OpenRequest("c", "huge", max_tokens, wait_ms=1000))
+            assert isinstance(r, Fault) and r.code is ErrorCode.TOO_LARGE and r.retry_after_ms is None, r
+            assert "512 KV cells" in r.message
+        assert isinstance(await engine.request(OpenRequest("c", "all", 512)), Opened)  # the whole cache fits
+        assert isinstance(await engine.request(OpenRequest("c", "x", 0)), Fault)  # max_tokens < 1
+        stats = engine.stats()
+        assert stats["errors_total"]["too_large"] == 2 and stats["sessions_waiting"] == 0
 
 
 async def test_cancelled_request_frees_its_session(tiny_model: Path) -> None:
@@ -216,7 +237,7 @@ async def test_step_errors_are_answered_and_change_nothing(tiny_model: Path) -> 
     async with open_engine(config(tiny_model, max_step_tokens=32)) as engine:
         await engine.request(OpenRequest("c", "s", 20))
         first = await engine.request(StepRequest("c", "s", 0, Output.LOGITS, tokens=tokens([1, 5, 6])))
-        assert isinstance(first, StepDone)
+        assert isinstance(first, StepDone) and (first.length, first.max_tokens) == (3, 20)  # nothing to ask after
         cases = [
             (StepRequest("c", "s", 5, Output.TOKEN, tokens=tokens([5])), "position"),
             (StepRequest("c", "s", 3, Output.TOKEN, tokens=tokens([5] * 33)), "too_large"),
@@ -358,6 +379,101 @@ async def test_closes_are_never_refused_and_duplicates_merge(tiny_model: Path) -
         assert sorted((c.session, c.existed) for c in closed) == [("nope", False), ("s1", False), ("s1", False),
                                                                   ("s1", True)]  # fmt: skip
         assert engine.stats()["sessions_active"] == 2  # s0, and the session of the open that was queued
+
+
+async def _drain(channel: trio.MemoryReceiveChannel[SessionEnd], into: list[SessionEnd]) -> None:
+    async for end in channel:
+        into.append(end)
+
+
+async def test_every_freed_session_ends_once_on_the_channel(tiny_model: Path) -> None:
+    """Whatever frees a session (close, failed rollback, gone connection, gone requester,
+    shutdown), its end reaches the one consumer once; every close is answered there too."""
+    ends: list[SessionEnd] = []
+    async with trio.open_nursery() as nursery, open_engine(config(tiny_model)) as engine:
+        nursery.start_soon(_drain, engine.session_ends, ends)
+        for owner, name in (("a", "closed"), ("a", "rolled"), ("b", "g1"), ("b", "g2"), ("a", "kept")):
+            assert isinstance(await engine.request(OpenRequest(owner, name, 50)), Opened)
+        assert await engine.request(CloseRequest("a", "closed")) == Closed("closed", True)
+        assert await engine.request(CloseRequest("a", "nope")) == Closed("nope", False)
+        await engine.cleanup(Rollback("a", "rolled", 5))  # past its length (0): cannot go back there
+        await engine.cleanup(DropOwner("b"))
+        with held_decodes(engine) as (entered, release):  # the requester leaves before its answer
+            nursery.start_soon(engine.request, StepRequest("a", "kept", 0, Output.TOKEN, tokens=tokens([1])))
+            await wait_until(entered.is_set)
+            async with trio.open_nursery() as requesters:
+                requesters.start_soon(engine.request, OpenRequest("a", "left", 50))
+                await wait_until(lambda: engine._inbox.statistics().current_buffer_used == 1)
+                requesters.cancel_scope.cancel()
+            release.set()  # the open that nobody waits for any more is taken: what it opened is freed
+        await wait_until(lambda: len(ends) >= 7)
+    assert ends == [
+        SessionEnded("a", "closed", EndReason.CLOSED),
+        CloseAnswered("a", "closed", True),
+        CloseAnswered("a", "nope", False),
+        SessionEnded("a", "rolled", EndReason.ROLLBACK_FAILED),
+        SessionEnded("b", "g1", EndReason.OWNER_GONE),
+        SessionEnded("b", "g2", EndReason.OWNER_GONE),
+        SessionEnded("a", "left", EndReason.REQUESTER_GONE),
+        SessionEnded("a", "kept", EndReason.SHUTDOWN),  # the channel ends after the engine stops
+    ]
+
+
+async def test_a_slow_consumer_of_session_ends_slows_the_engine_and_loses_nothing(tiny_model: Path) -> None:
+    """The channel holds SESSION_ENDS_BUFFER ends; past that the engine waits for its consumer
+    (at a safe point of its loop) instead of dropping any."""
+    ends: list[SessionEnd] = []
+    opened: list[int] = []
+    go = trio.Event()
+
+    async def consume(channel: trio.MemoryReceiveChannel[SessionEnd]) -> None:
+        await go.wait()
+        await _drain(channel, ends)
+
+    async def churn(engine: Engine, n: int) -> None:
+        for i in range(n):
+            assert isinstance(await engine.request(OpenRequest("c", f"s{i}", 10)), Opened)
+            opened.append(i)
+            engine.cleanup_nowait(CloseRequest("c", f"s{i}"))  # each: a SessionEnded and a CloseAnswered
+
+    n = SESSION_ENDS_BUFFER  # twice the buffer's worth of ends
+    async with trio.open_nursery() as nursery, open_engine(config(tiny_model)) as engine:
+        channel = engine.session_ends
+        nursery.start_soon(consume, channel)
+        async with trio.open_nursery() as producers:
+            producers.start_soon(churn, engine, n)
+            await wait_until(
+                lambda: (
+                    channel.statistics().current_buffer_used == SESSION_ENDS_BUFFER
+                    and engine._ends.backlog > 0  # ends it could not hand over yet: it waits for room...
+                    and engine._inbox.statistics().current_buffer_used == 1
+                )  # ... and takes no request meanwhile
+            )
+            assert len(opened) < n
+            go.set()
+        await engine.cleanup(CloseRequest("c", "last"))
+        await wait_until(lambda: len(ends) == 2 * n + 1)
+    expected: list[SessionEnd] = []
+    for i in range(n):
+        expected += [SessionEnded("c", f"s{i}", EndReason.CLOSED), CloseAnswered("c", f"s{i}", True)]
+    assert ends == [*expected, CloseAnswered("c", "last", False)]
+
+
+async def test_statistics_are_frozen_and_stats_is_their_flat_form(tiny_model: Path) -> None:
+    async with open_engine(config(tiny_model)) as engine:
+        await generate(engine, "s", prompt(1, 5), 3)
+        statistics = engine.statistics()
+        with pytest.raises(FrozenInstanceError):
+            statistics.kv.cells_used = 1  # type: ignore[misc]
+        with pytest.raises(TypeError):
+            statistics.errors_total["busy"] = 1  # type: ignore[index]
+
+        def steady(stats: dict[str, Any]) -> dict[str, Any]:  # rates move with the clock between two reads
+            return {k: v for k, v in stats.items() if not k.endswith("_per_s")}
+
+        assert steady(engine.stats()) == steady(wire_stats(statistics))
+        assert statistics.batches.decode_tokens_total == engine.stats()["decode_tokens_total"] == 3
+        assert statistics.sessions.admissions_total == 1 and statistics.queue.cleanups_total == 1
 
 
 async def test_a_gone_owner_s_waiting_open_is_answered(tiny_model: Path) -> None:
