@@ -198,7 +198,8 @@ async def test_an_open_that_can_never_fit_is_too_large_not_kv_budget(tiny_model:
             assert isinstance(r, Fault) and r.code is ErrorCode.TOO_LARGE and r.retry_after_ms is None, r
             assert "512 KV cells" in r.message
         assert isinstance(await engine.request(OpenRequest("c", "all", 512)), Opened)  # the whole cache fits
-        assert isinstance(await engine.request(OpenRequest("c", "x", 0)), Fault)  # max_tokens < 1
+        empty = await engine.request(OpenRequest("c", "x", 0))
+        assert isinstance(empty, Fault) and empty.code is ErrorCode.BAD_REQUEST
         stats = engine.stats()
         assert stats["errors_total"]["too_large"] == 2 and stats["sessions_waiting"] == 0
 

@@ -127,7 +127,8 @@ def test_a_rewind_the_backend_cannot_make_is_refused_and_changes_nothing() -> No
     assert isinstance(r, Fault) and r.code is ErrorCode.POSITION and "sliding window" in r.message
     assert s.sessions["a"].length == 5 and s.sessions["a"].step is None and asked == [(3, 2)]
     assert isinstance(s.submit("a", 5, 1, 4, 0.0, None, can_rewind=window), Step) and asked == [(3, 2)]  # no rewind
-    assert isinstance(s.request_open("b", 0, 0, 0.0, None), Fault)  # max_tokens < 1: bad_request
+    empty = s.request_open("b", 0, 0, 0.0, None)
+    assert isinstance(empty, Fault) and empty.code is ErrorCode.BAD_REQUEST
 
 
 def test_rewind_shortens_the_session() -> None:
