@@ -73,10 +73,23 @@ SUITES = {
 }  # fmt: skip
 
 # `just bench`: (suite, model; None = the suite's default, gemma-3-270m).
-FULL_SET = [("report", None), ("report-decode", None), ("report", SHAPE), ("report-decode", SHAPE),
-            ("kernels", None), ("curve", None), ("stages", None), ("multihost", None), ("multihost", SHAPE),
-            ("gateway", None), ("pipeline", None), ("attach", None), ("pipeline", SHAPE), ("attach", SHAPE),
-            ("chaos", None)]  # fmt: skip
+FULL_SET = [
+    ("report", None),
+    ("report-decode", None),
+    ("report", SHAPE),
+    ("report-decode", SHAPE),
+    ("kernels", None),
+    ("curve", None),
+    ("stages", None),
+    ("multihost", None),
+    ("multihost", SHAPE),
+    ("gateway", None),
+    ("pipeline", None),
+    ("attach", None),
+    ("pipeline", SHAPE),
+    ("attach", SHAPE),
+    ("chaos", None),
+]
 QUICK_SET: list[tuple[str, str | None]] = [("report", None)]
 
 
@@ -104,10 +117,18 @@ def command(name: str, model: str | None, quick: bool, out: Path | None) -> list
         cmd += ["--out", suite.default_out]
     if model is not None and name in ("pipeline", "attach"):  # what this model's report and multihost wrote
         report, files = reports / f"report{tag}", out or EVIDENCE
-        cmd += (["--report", str(report / "bench.json"), "--multihost", str(files / f"multihost{tag}.json")]
-                if name == "pipeline" else
-                ["--report-dir", str(report), "--pipeline", str(files / f"pipeline{tag}.json"),
-                 "--gateway", str(files / f"gateway{tag}.json")])  # fmt: skip
+        cmd += (
+            ["--report", str(report / "bench.json"), "--multihost", str(files / f"multihost{tag}.json")]
+            if name == "pipeline"
+            else [
+                "--report-dir",
+                str(report),
+                "--pipeline",
+                str(files / f"pipeline{tag}.json"),
+                "--gateway",
+                str(files / f"gateway{tag}.json"),
+            ]
+        )
     return cmd
 
 
@@ -125,15 +146,21 @@ def run(plan: list[tuple[str, str | None]], quick: bool, out: Path | None) -> in
         say(f"== {label}: {'ok' if status == 0 else f'exit {status}'} in {times[-1][1]:.0f} s")
         if status in (130, -2):
             break
-    say("suite times: " + "; ".join(f"{label} {s:.0f} s" + ("" if rc == 0 else f" (exit {rc})")
-                                    for label, s, rc in times))  # fmt: skip
+    say(
+        "suite times: "
+        + "; ".join(f"{label} {s:.0f} s" + ("" if rc == 0 else f" (exit {rc})") for label, s, rc in times)
+    )
     say(f"total {sum(s for _, s, _ in times) / 60:.1f} min")
     return 0 if all(rc == 0 for *_, rc in times) else 130 if times and times[-1][2] in (130, -2) else 1
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="python -m bench",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
     parser.add_argument("suites", nargs="+", metavar="SUITE", help=f"all, list, or: {', '.join(SUITES)}")
     parser.add_argument("--model", help="a GGUF file, gemma-3-270m or a model shape (llama-3.2-1b, llama-3.1-8b)")
     parser.add_argument("--quick", action="store_true", help="the quick form: tiny model unless --model, seconds")

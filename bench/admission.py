@@ -20,8 +20,16 @@ from bench.node_driver import OpenRefused, generate
 from bench.workload import Request
 from neuron_tai.client import open_client
 
-STATS_KEPT = ("admissions_total", "admissions_rejected_total", "errors_total", "sessions_active",
-              "sessions_waiting", "queue_bytes", "queue_budget_bytes", "sessions_max")  # fmt: skip
+STATS_KEPT = (
+    "admissions_total",
+    "admissions_rejected_total",
+    "errors_total",
+    "sessions_active",
+    "sessions_waiting",
+    "queue_bytes",
+    "queue_budget_bytes",
+    "sessions_max",
+)
 
 
 async def burst(address: str, requests: Sequence[Request]) -> dict[str, Any]:

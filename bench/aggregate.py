@@ -31,6 +31,10 @@ def saturation(runs: list[dict[str, Any]]) -> dict[str, Any]:
         gains = {f"{a}->{b}": round(points[b] / points[a] - 1, 3) for a, b in itertools.pairwise(cs)}
         best = max(points.values())
         at = next(c for c in cs if points[c] >= SATURATION_SHARE * best) if len(cs) > 1 else None
-        out[system] = {"tok_s": {str(c): round(v, 2) for c, v in points.items()}, "gains": gains, "saturates_at": at,
-                       "best_tok_s": round(best, 2)}  # fmt: skip
+        out[system] = {
+            "tok_s": {str(c): round(v, 2) for c, v in points.items()},
+            "gains": gains,
+            "saturates_at": at,
+            "best_tok_s": round(best, 2),
+        }
     return out

@@ -42,16 +42,39 @@ def measure(
 ) -> dict[str, Any]:
     """One llama-batched-bench run: every B in one process, prompts not shared, flash attention as the node's."""
     n_kv = max(batches) * (pp + tg)
-    cmd = [str(binary), "-m", str(model), "-c", str(n_kv), "-b", "512", "-ub", "512", "-t", str(threads),
-           "-npp", str(pp), "-ntg", str(tg), "-npl", ",".join(map(str, batches))]  # fmt: skip
+    cmd = [
+        str(binary),
+        "-m",
+        str(model),
+        "-c",
+        str(n_kv),
+        "-b",
+        "512",
+        "-ub",
+        "512",
+        "-t",
+        str(threads),
+        "-npp",
+        str(pp),
+        "-ntg",
+        str(tg),
+        "-npl",
+        ",".join(map(str, batches)),
+    ]
     say("$ " + shown(" ".join(cmd)))
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, check=False)
     s_tg = parse_table(done.stdout)
     if done.returncode != 0 or set(s_tg) != set(batches):
         tail = "\n".join((done.stdout + done.stderr).splitlines()[-12:])
         raise RuntimeError(f"llama-batched-bench exited {done.returncode} with B={sorted(s_tg)}:\n{tail}")
-    return {"tool": BATCHED_BENCH, "command": shown(" ".join(cmd)), "pp": pp, "tg": tg, "threads": threads,
-            "s_tg": {str(b): s_tg[b] for b in batches}}  # fmt: skip
+    return {
+        "tool": BATCHED_BENCH,
+        "command": shown(" ".join(cmd)),
+        "pp": pp,
+        "tg": tg,
+        "threads": threads,
+        "s_tg": {str(b): s_tg[b] for b in batches},
+    }
 
 
 def ceiling_for(model: Path, *, pp: int, tg: int, build: bool) -> dict[str, Any] | None:

@@ -26,13 +26,13 @@ from bench.workload import CORPUS, make_requests
 from neuron_tai.client import open_client
 
 
-async def run(address: str, concurrencies: list[int], n: int, max_new: int, max_prompt: int, seed: int,
-              tag: str) -> dict[str, Any]:  # fmt: skip
+async def run(
+    address: str, concurrencies: list[int], n: int, max_new: int, max_prompt: int, seed: int, tag: str
+) -> dict[str, Any]:
     async with open_client(address, timeout_s=300) as client:
         corpus = await client.tokenize(CORPUS, add_special=False)
         start = await client.tokenize("", add_special=True)
-        requests = make_requests(corpus, n, max_new, seed=seed, max_prompt=max_prompt,
-                                 bos=start[0] if start else None)  # fmt: skip
+        requests = make_requests(corpus, n, max_new, seed=seed, max_prompt=max_prompt, bos=start[0] if start else None)
         await closed_loop(client, requests[:1], 1, f"{tag}-warm")  # connections and caches warm, unmeasured
         runs = []
         for c in concurrencies:
@@ -68,8 +68,9 @@ def main() -> int:
     p.add_argument("--count", type=int, default=50)
     args = parser.parse_args()
     if args.cmd == "run":
-        out = trio.run(run, args.address, args.concurrency, args.requests, args.max_new, args.max_prompt, args.seed,
-                       args.tag)  # fmt: skip
+        out = trio.run(
+            run, args.address, args.concurrency, args.requests, args.max_new, args.max_prompt, args.seed, args.tag
+        )
     else:
         out = trio.run(ping, args.address, args.count)
     print(json.dumps(out), flush=True)

@@ -78,8 +78,19 @@ class LogitsGap:
         ref = self.solo.pop((rid, step))
         diff = np.abs(ref.astype(np.float64) - logits)
         top2 = np.partition(ref, -2)[-2:]
-        row = self.rows.setdefault(rid, {"rid": rid, "steps": 0, "max_abs": 0.0, "sum_abs": 0.0, "scale": 0.0,
-                                         "min_margin": float("inf"), "argmax_differs": 0, "margins": []})  # fmt: skip
+        row = self.rows.setdefault(
+            rid,
+            {
+                "rid": rid,
+                "steps": 0,
+                "max_abs": 0.0,
+                "sum_abs": 0.0,
+                "scale": 0.0,
+                "min_margin": float("inf"),
+                "argmax_differs": 0,
+                "margins": [],
+            },
+        )
         row["steps"] += 1
         row["max_abs"] = max(row["max_abs"], float(diff.max()))
         row["sum_abs"] += float(diff.mean())
@@ -91,8 +102,16 @@ class LogitsGap:
     def summary(self) -> list[dict[str, Any]]:
         out = []
         for row in sorted(self.rows.values(), key=lambda r: r["rid"]):
-            out.append({"rid": row["rid"], "steps": row["steps"], "max_abs_diff": float(f"{row['max_abs']:.3g}"),
-                        "mean_abs_diff": float(f"{row['sum_abs'] / row['steps']:.3g}"),
-                        "logit_std": round(row["scale"], 3), "min_top2_margin": float(f"{row['min_margin']:.3g}"),
-                        "argmax_differs": row["argmax_differs"], "top2_margins": row["margins"]})  # fmt: skip
+            out.append(
+                {
+                    "rid": row["rid"],
+                    "steps": row["steps"],
+                    "max_abs_diff": float(f"{row['max_abs']:.3g}"),
+                    "mean_abs_diff": float(f"{row['sum_abs'] / row['steps']:.3g}"),
+                    "logit_std": round(row["scale"], 3),
+                    "min_top2_margin": float(f"{row['min_margin']:.3g}"),
+                    "argmax_differs": row["argmax_differs"],
+                    "top2_margins": row["margins"],
+                }
+            )
         return out

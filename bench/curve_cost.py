@@ -35,8 +35,18 @@ from neuron_tai.security import create_key_pair
 from neuron_tai.shard import read_model_layers, stage_bounds, write_stages
 
 CONCURRENCY = 8
-SERVE = ["--max-sessions", "8", "--kv-cells", "4096", "--n-batch", "512", "--max-prefill", "64", "--log-level",
-         "warning"]  # fmt: skip
+SERVE = [
+    "--max-sessions",
+    "8",
+    "--kv-cells",
+    "4096",
+    "--n-batch",
+    "512",
+    "--max-prefill",
+    "64",
+    "--log-level",
+    "warning",
+]
 COLUMNS = ["system", "plain_tok_s", "curve_tok_s", "ratio"]
 
 ClientKeys = tuple[str, str] | None  # (the node's public key, the client's key pair), or plain

@@ -39,13 +39,24 @@ from bench.node_driver import generate
 from bench.workload import Request
 from engine.config import EngineConfig
 from engine.engine import Engine, open_engine
-from engine.messages import CloseRequest, Failure, Opened, OpenRequest, Output, StepDone, StepRequest
+from engine.messages import CloseRequest, Opened, OpenRequest, Output, StepDone, StepRequest
 from neuron_tai.client import NodeError, StepReply
+from protocol.errors import Fault
 
 R = TypeVar("R")
 
-COLUMNS = ["concurrency", "agg_tok_s", "bare_tok_s", "ratio", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
-           "batch_occupancy", "kv_pressure_peak"]  # fmt: skip
+COLUMNS = [
+    "concurrency",
+    "agg_tok_s",
+    "bare_tok_s",
+    "ratio",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "itl_p50_ms",
+    "itl_p99_ms",
+    "batch_occupancy",
+    "kv_pressure_peak",
+]
 
 
 OWNER = "bench"
@@ -58,8 +69,11 @@ class EngineClient:
     engine: Engine
 
     async def open(self, session: str, max_tokens: int, *, wait_ms: int = 0) -> dict[str, Any]:
-        return {"kv_reserved": _ok(await self.engine.request(OpenRequest(OWNER, session, max_tokens, wait_ms=wait_ms)),
-                                   Opened).kv_reserved}  # fmt: skip
+        return {
+            "kv_reserved": _ok(
+                await self.engine.request(OpenRequest(OWNER, session, max_tokens, wait_ms=wait_ms)), Opened
+            ).kv_reserved
+        }
 
     async def step(self, session: str, pos: int, *, tokens: list[int], out: str) -> StepReply:
         request = StepRequest(OWNER, session, pos, Output(out), tokens=np.array(tokens, np.int32))
@@ -72,7 +86,7 @@ class EngineClient:
 
 
 def _ok(result: object, kind: type[R]) -> R:
-    if isinstance(result, Failure):
+    if isinstance(result, Fault):
         raise NodeError(result.code, result.message, result.retry_after_ms)
     assert isinstance(result, kind), result
     return result

@@ -33,8 +33,15 @@ Maker = Callable[[dict[str, Any], int, int], Reply]
 
 
 def _result(h: dict[str, Any], **changes: Any) -> dict[str, Any]:
-    out = {"v": 1, "op": "result", "rid": h.get("rid"), "session": h.get("session"), "pos": h.get("pos"),
-           "n": h.get("n"), "out": h.get("out")}  # fmt: skip
+    out = {
+        "v": 1,
+        "op": "result",
+        "rid": h.get("rid"),
+        "session": h.get("session"),
+        "pos": h.get("pos"),
+        "n": h.get("n"),
+        "out": h.get("out"),
+    }
     out.update(changes)
     return out
 
@@ -91,15 +98,34 @@ STEP_REPLIES: dict[str, Maker] = {
 
 
 def _stage(n_vocab: int, n_embd: int, **changes: Any) -> dict[str, Any]:
-    stage = {"first": False, "last": True, "layers": [2, 4], "n_embd": n_embd, "n_vocab": n_vocab, "model": "fake",
-             "max_step_tokens": 512, "eog_tokens": [2]}  # fmt: skip
+    stage = {
+        "first": False,
+        "last": True,
+        "layers": [2, 4],
+        "n_embd": n_embd,
+        "n_vocab": n_vocab,
+        "model": "fake",
+        "max_step_tokens": 512,
+        "eog_tokens": [2],
+    }
     stage.update(changes)
     return stage
 
 
 def _opened(h: dict[str, Any], stage: Any) -> list[bytes]:
-    return [pack({"v": 1, "op": "opened", "rid": h.get("rid"), "session": h.get("session"),
-                  "kv_reserved": h.get("max_tokens"), "stage": stage, "lease_ms": 60_000})]  # fmt: skip
+    return [
+        pack(
+            {
+                "v": 1,
+                "op": "opened",
+                "rid": h.get("rid"),
+                "session": h.get("session"),
+                "kv_reserved": h.get("max_tokens"),
+                "stage": stage,
+                "lease_ms": 60_000,
+            }
+        )
+    ]
 
 
 OPEN_REPLIES: dict[str, Maker] = {

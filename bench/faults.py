@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 
 ENV = "NEURON_TAI_BENCH_CRASH"
 SIGNAL = signal.SIGSEGV
-_SEGFAULT = ("import os, signal; print('loading the model ...', flush=True); "
-             f"os.kill(os.getpid(), signal.{SIGNAL.name})")  # fmt: skip
+_SEGFAULT = f"import os, signal; print('loading the model ...', flush=True); os.kill(os.getpid(), signal.{SIGNAL.name})"
 
 
 @dataclass(frozen=True, slots=True)

@@ -65,9 +65,16 @@ class Seen:
 
 
 async def complete(http: httpx.AsyncClient, url: str, model: str, req: Request) -> Seen:
-    body = {"model": model, "prompt": list(req.prompt), "max_tokens": req.max_new, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-            "cache_prompt": False}  # fmt: skip
+    body = {
+        "model": model,
+        "prompt": list(req.prompt),
+        "max_tokens": req.max_new,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "cache_prompt": False,
+    }
     seen = Seen(time.perf_counter())
     async with http.stream("POST", url, json=body) as reply:
         if reply.status_code != 200:
@@ -115,8 +122,16 @@ def start(procs: Processes, model: Path, plan: Plan, quick: bool) -> tuple[dict[
     """Nodes, a gateway in front of each, and llama-server: ({system name: completions URL}, the single node)."""
     shards = write_stages(model, WORK / "shards-gateway" / model.stem, weight_balanced_bounds(model, 2))
     p = free_ports(6)
-    limits = ["--max-sessions", str(SLOTS), "--max-waiting", "64", "--kv-cells", str(plan.kv_cells),
-              "--log-level", "warning"]  # fmt: skip
+    limits = [
+        "--max-sessions",
+        str(SLOTS),
+        "--max-waiting",
+        "64",
+        "--kv-cells",
+        str(plan.kv_cells),
+        "--log-level",
+        "warning",
+    ]
     cli = [sys.executable, "-m", "neuron_tai.cli"]
 
     def node(name: str, path: Path, port: int, threads: int, extra: tuple[str, ...] = ()) -> str:
@@ -126,8 +141,20 @@ def start(procs: Processes, model: Path, plan: Plan, quick: bool) -> tuple[dict[
         return address
 
     def gateway(name: str, address: str, port: int) -> str:
-        cmd = [*cli, "gateway", "--node", address, "--port", str(port), "--model-name", model.stem,
-               "--open-wait-ms", "50000", "--timeout", "120"]  # fmt: skip
+        cmd = [
+            *cli,
+            "gateway",
+            "--node",
+            address,
+            "--port",
+            str(port),
+            "--model-name",
+            model.stem,
+            "--open-wait-ms",
+            "50000",
+            "--timeout",
+            "120",
+        ]
         if not procs.start(name, cmd, node_ready):
             raise RuntimeError(f"{name} did not start; see {shown(procs.log(name))}")
         return f"http://127.0.0.1:{port}/v1/completions"
@@ -135,8 +162,9 @@ def start(procs: Processes, model: Path, plan: Plan, quick: bool) -> tuple[dict[
     single = node("single", model, p[0], 2)
     urls = {"gateway + single node": gateway("gateway-single", single, p[1])}
     tail = node("chain2-tail", shards[1], p[2], 1)
-    urls["gateway + 2-stage chain"] = gateway("gateway-chain2", node("chain2-head", shards[0], p[3], 1,
-                                                                     ("--next", tail)), p[4])  # fmt: skip
+    urls["gateway + 2-stage chain"] = gateway(
+        "gateway-chain2", node("chain2-head", shards[0], p[3], 1, ("--next", tail)), p[4]
+    )
     binary = cached_binary()
     if binary is None and not quick:
         print("building llama-server from the vendored llama.cpp (once; about 6 minutes on 2 cores) ...", flush=True)
@@ -176,12 +204,19 @@ def main() -> int:
             for system, url in urls.items():
                 row = trio.run(closed_loop, url, model.stem, requests, c)
                 results.setdefault(system, []).append(row)
-                print(f"{system:28} c={c:<3} {row['tok_s']:8.2f} tok/s  TTFT p50/p99 {row['ttft_p50_ms']}/"
-                      f"{row['ttft_p99_ms']} ms  ITL p50/p99 {row['itl_p50_ms']}/{row['itl_p99_ms']} ms",
-                      flush=True)  # fmt: skip
+                print(
+                    f"{system:28} c={c:<3} {row['tok_s']:8.2f} tok/s  TTFT p50/p99 {row['ttft_p50_ms']}/"
+                    f"{row['ttft_p99_ms']} ms  ITL p50/p99 {row['itl_p50_ms']}/{row['itl_p99_ms']} ms",
+                    flush=True,
+                )
     out.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"command": command_line(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "model": shown(model),
-               "plan": asdict(plan), "results": results}  # fmt: skip
+    payload = {
+        "command": command_line(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "model": shown(model),
+        "plan": asdict(plan),
+        "results": results,
+    }
     out.write_text(json.dumps(payload, indent=2, default=str) + "\n")
     print(f"wrote {shown(out)}")
     return 0

@@ -57,8 +57,15 @@ def int32(ids: Any) -> bytes:
 
 _SIZES = (0, 1, 2, 3, 5, 8, 16, 64, 256, 1024, 4096)
 # Markers that put msgpack's parser somewhere deep: map16, map32, array32, str32, bin32, ext32, fixmap.
-_PREFIXES = (b"\xde\xff\xff", b"\xdf\xff\xff\xff\xff", b"\xdd\xff\xff\xff\xff", b"\xdb\xff\xff\xff\xff",
-             b"\xc6\xff\xff\xff\xff", b"\xc9\xff\xff\xff\xff\x01", b"\x8f")  # fmt: skip
+_PREFIXES = (
+    b"\xde\xff\xff",
+    b"\xdf\xff\xff\xff\xff",
+    b"\xdd\xff\xff\xff\xff",
+    b"\xdb\xff\xff\xff\xff",
+    b"\xc6\xff\xff\xff\xff",
+    b"\xc9\xff\xff\xff\xff\x01",
+    b"\x8f",
+)
 
 
 def random_bytes(rng: random.Random, i: int, t: Target) -> Frames:
@@ -256,8 +263,10 @@ def _bad_step(rng: random.Random, i: int, t: Target, session: str) -> Frames:
         return [header("step", i, session=session, pos=4, n=1, **tokens), one, one]  # two payloads
     if case == 10:
         return [header("generate", i, session=session, pos=0, n=1, max_new=rng.choice([0, -1, "8"])), int32([1])]
-    return [header("generate", i, session=session, pos=0, n=1, max_new=4, stop=rng.choice(["x", [1.5], {}])),
-            int32([1])]  # fmt: skip
+    return [
+        header("generate", i, session=session, pos=0, n=1, max_new=4, stop=rng.choice(["x", [1.5], {}])),
+        int32([1]),
+    ]
 
 
 def _bad_envelope(rng: random.Random, i: int) -> Frames:

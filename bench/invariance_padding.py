@@ -34,8 +34,10 @@ async def check(cfg: EngineConfig, steps: int) -> dict[str, Any]:
             solo.append(digests[0])
         delays = [0.02 * i * i for i in range(8)]  # arrivals spread out: every batch size from 1 to 8
         _, _, _, together = await run_sessions(engine, prompts, steps, logits=True, delays=delays)
-        first = [next((k for k, (a, b) in enumerate(zip(s, t, strict=True)) if a != b), None)
-                 for s, t in zip(solo, together, strict=True)]  # fmt: skip
+        first = [
+            next((k for k, (a, b) in enumerate(zip(s, t, strict=True)) if a != b), None)
+            for s, t in zip(solo, together, strict=True)
+        ]
         path = engine.stats()["kernel_path"]
     return {"kernel_path": path, "mismatched_sessions": sum(f is not None for f in first), "first_mismatch": first}
 

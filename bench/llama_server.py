@@ -117,8 +117,10 @@ def _vendored_source(root: Path, log: IO[str]) -> Path:
         return target
     download = root / "sdist"
     spec = f"llama-cpp-python=={lc.__version__}"
-    _run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:", spec, "-d",
-          str(download)], log)  # fmt: skip
+    _run(
+        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:", spec, "-d", str(download)],
+        log,
+    )
     archive = next(download.glob("llama_cpp_python-*.tar.gz"))
     prefix = f"{archive.name.removesuffix('.tar.gz')}/vendor/llama.cpp/"
     with tarfile.open(archive) as tar:

@@ -81,8 +81,10 @@ def main() -> int:
                 nodes = [(f"mb-single-{n}", model, address, 2, mb)]
             else:
                 tail = f"tcp://127.0.0.1:{next(ports)}"
-                nodes = [(f"mb-chain2-{n}-tail", shards[1], tail, 1, []),
-                         (f"mb-chain2-{n}-head", shards[0], address, 1, ["--next", tail, *mb])]  # fmt: skip
+                nodes = [
+                    (f"mb-chain2-{n}-tail", shards[1], tail, 1, []),
+                    (f"mb-chain2-{n}-head", shards[0], address, 1, ["--next", tail, *mb]),
+                ]
             for proc, stage, bind, threads, extra in nodes:
                 if not procs.start(proc, node_command(stage, bind, threads, extra), node_ready):
                     raise SystemExit(f"{proc} crashed: {procs.crashed[proc].reason}; see {procs.crashed[proc].log}")

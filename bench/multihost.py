@@ -49,8 +49,16 @@ LINKS = (("client", "s0"), ("s0", "s1"))
 HEAD_CORE, TAIL_CORE = 0, 1  # the single node runs on the head's core, measured while the chain idles
 MAX_SESSIONS = 8
 SCALE_COLUMNS = ["concurrency", "single_tok_s", "chain_tok_s", "efficiency"]
-LATENCY_COLUMNS = ["delay_ms", "tok_s", "itl_p50_ms", "itl_p99_ms", "ttft_p50_ms", "rtt_added_expected_ms",
-                   "rtt_added_client_head_ms", "rtt_added_head_tail_ms"]  # fmt: skip
+LATENCY_COLUMNS = [
+    "delay_ms",
+    "tok_s",
+    "itl_p50_ms",
+    "itl_p99_ms",
+    "ttft_p50_ms",
+    "rtt_added_expected_ms",
+    "rtt_added_client_head_ms",
+    "rtt_added_head_tail_ms",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,12 +78,31 @@ class Plan:
     seed: int = 12
 
 
-FULL = Plan(mode="full", requests=16, max_new=32, max_prompt=256, concurrencies=(1, 2, 4, 8, 16),
-            delays_ms=(0, 2, 5), latency_concurrency=8, kv_cells=4096, pings=50, serve_flags=())  # fmt: skip
+FULL = Plan(
+    mode="full",
+    requests=16,
+    max_new=32,
+    max_prompt=256,
+    concurrencies=(1, 2, 4, 8, 16),
+    delays_ms=(0, 2, 5),
+    latency_concurrency=8,
+    kv_cells=4096,
+    pings=50,
+    serve_flags=(),
+)
 # The tiny F32 model with an f32 cache and flash attention off: greedy tokens equal across batch shapes.
-QUICK = Plan(mode="quick", requests=8, max_new=8, max_prompt=64, concurrencies=(1, 2, 4, 8, 16), delays_ms=(0, 2, 5),
-             latency_concurrency=8, kv_cells=2048, pings=10,
-             serve_flags=("--kv-type", "f32", "--flash-attn", "off"))  # fmt: skip
+QUICK = Plan(
+    mode="quick",
+    requests=8,
+    max_new=8,
+    max_prompt=64,
+    concurrencies=(1, 2, 4, 8, 16),
+    delays_ms=(0, 2, 5),
+    latency_concurrency=8,
+    kv_cells=2048,
+    pings=10,
+    serve_flags=("--kv-type", "f32", "--flash-attn", "off"),
+)
 
 
 def models(plan: Plan, work: Path) -> tuple[Path, list[Path]]:
@@ -100,8 +127,14 @@ class Cluster:
     def node(self, name: str, host: str, peer: str, model: Path, core: int, extra: list[str]) -> str:
         """A node on `host`, pinned to `core`, one thread, bound to `host`'s address towards `peer`."""
         address = f"tcp://{self.topo.address(host, peer)}:{self.topo.port()}"
-        limits = ["--max-sessions", str(MAX_SESSIONS), "--max-waiting", str(MAX_SESSIONS), "--kv-cells",
-                  str(self.plan.kv_cells)]  # fmt: skip
+        limits = [
+            "--max-sessions",
+            str(MAX_SESSIONS),
+            "--max-waiting",
+            str(MAX_SESSIONS),
+            "--kv-cells",
+            str(self.plan.kv_cells),
+        ]
         cmd = serve_command(model, address, threads=1, flags=[*limits, *self.plan.serve_flags, *extra])
         self._start(name, host, cmd, core)
         return address
@@ -110,8 +143,17 @@ class Cluster:
         """A delay proxy on `host` in front of the node at `target` (a tcp:// address on `host`)."""
         ip, port = target.removeprefix("tcp://").rsplit(":", 1)
         listen = f"{ip}:{self.topo.port()}"
-        cmd = [sys.executable, "-m", "bench.delay_proxy", "--listen", listen, "--to", f"{ip}:{port}", "--delay-ms",
-               str(delay_ms)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "bench.delay_proxy",
+            "--listen",
+            listen,
+            "--to",
+            f"{ip}:{port}",
+            "--delay-ms",
+            str(delay_ms),
+        ]
         self._start(name, host, cmd, None)
         return f"tcp://{listen}"
 
@@ -126,10 +168,25 @@ class Cluster:
 
     def load(self, address: str, concurrencies: tuple[int, ...], tag: str) -> list[dict[str, Any]]:
         plan = self.plan
-        runs = self.client("client", ["run", address, "--concurrency", ",".join(map(str, concurrencies)),
-                                      "--requests", str(plan.requests), "--max-new", str(plan.max_new),
-                                      "--max-prompt", str(plan.max_prompt), "--seed", str(plan.seed),
-                                      "--tag", tag])["runs"]  # fmt: skip
+        runs = self.client(
+            "client",
+            [
+                "run",
+                address,
+                "--concurrency",
+                ",".join(map(str, concurrencies)),
+                "--requests",
+                str(plan.requests),
+                "--max-new",
+                str(plan.max_new),
+                "--max-prompt",
+                str(plan.max_prompt),
+                "--seed",
+                str(plan.seed),
+                "--tag",
+                tag,
+            ],
+        )["runs"]
         return runs  # type: ignore[no-any-return]
 
     def rtt_ms(self, host: str, address: str) -> float:
@@ -145,8 +202,14 @@ def scale_out(cluster: Cluster, single: str, chain: str) -> dict[str, Any]:
         two = cluster.load(chain, (c,), f"chain-c{c}")[0]
         raw += [{"system": "single", **one}, {"system": "chain2", **two}]
         efficiency = two["tok_s"] / (2 * one["tok_s"]) if one["tok_s"] else None
-        rows.append({"concurrency": c, "single_tok_s": one["tok_s"], "chain_tok_s": two["tok_s"],
-                     "efficiency": round(efficiency, 3) if efficiency is not None else None})  # fmt: skip
+        rows.append(
+            {
+                "concurrency": c,
+                "single_tok_s": one["tok_s"],
+                "chain_tok_s": two["tok_s"],
+                "efficiency": round(efficiency, 3) if efficiency is not None else None,
+            }
+        )
         print("scale-out " + ", ".join(f"{k} {v}" for k, v in rows[-1].items()), flush=True)
     return {"rows": rows, "runs": raw}
 
@@ -179,11 +242,18 @@ def latency_tolerance(cluster: Cluster, chains: list[DelayedChain]) -> dict[str,
         head_tail = cluster.rtt_ms("s0", chain.tail_proxy) - cluster.rtt_ms("s0", chain.tail)
         run = cluster.load(chain.entry, (c,), f"delay-{chain.delay_ms:g}ms")[0]
         raw.append({"delay_ms": chain.delay_ms, **run})
-        rows.append({"delay_ms": chain.delay_ms, "tok_s": run["tok_s"], "itl_p50_ms": run["itl_p50_ms"],
-                     "itl_p99_ms": run["itl_p99_ms"], "ttft_p50_ms": run["ttft_p50_ms"],
-                     "rtt_added_expected_ms": 2 * chain.delay_ms,
-                     "rtt_added_client_head_ms": round(client_head, 3),
-                     "rtt_added_head_tail_ms": round(head_tail, 3)})  # fmt: skip
+        rows.append(
+            {
+                "delay_ms": chain.delay_ms,
+                "tok_s": run["tok_s"],
+                "itl_p50_ms": run["itl_p50_ms"],
+                "itl_p99_ms": run["itl_p99_ms"],
+                "ttft_p50_ms": run["ttft_p50_ms"],
+                "rtt_added_expected_ms": 2 * chain.delay_ms,
+                "rtt_added_client_head_ms": round(client_head, 3),
+                "rtt_added_head_tail_ms": round(head_tail, 3),
+            }
+        )
         print("latency " + ", ".join(f"{k} {v}" for k, v in rows[-1].items()), flush=True)
     return {"concurrency": c, "rows": rows, "runs": raw}
 
@@ -205,9 +275,15 @@ def measure(plan: Plan, topo: Topology, procs: Processes, work: Path) -> dict[st
     latency = latency_tolerance(cluster, chains)
     solo = next(r for r in scaled["runs"] if r["system"] == "single" and r["concurrency"] == 1)["tokens"]
     chain_runs = [r for r in scaled["runs"] if r["system"] == "chain2"] + latency["runs"]
-    return {"model": model.name, "shards": [head_model.name, tail_model.name], "single_solo_tokens": solo,
-            "scale_out": scaled, "latency": latency, "chain_token_mismatches": mismatches(solo, chain_runs),
-            "delayed_chains": [asdict(c) for c in chains]}  # fmt: skip
+    return {
+        "model": model.name,
+        "shards": [head_model.name, tail_model.name],
+        "single_solo_tokens": solo,
+        "scale_out": scaled,
+        "latency": latency,
+        "chain_token_mismatches": mismatches(solo, chain_runs),
+        "delayed_chains": [asdict(c) for c in chains],
+    }
 
 
 def main() -> int:
@@ -217,8 +293,11 @@ def main() -> int:
     parser.add_argument("--delays", help="one-way delays in ms, comma-separated (default 0,2,5)")
     parser.add_argument("--concurrency", help="scale-out concurrencies, comma-separated (default 1,2,4,8,16)")
     parser.add_argument("--loopback", action="store_true", help="all hosts on loopback, as without privilege")
-    parser.add_argument("--tag", default=f"{os.getpid() % 65536:04x}",
-                        help="names the namespaces nt-TAG-HOST and links ntTAG-l*: at most 4 characters")  # fmt: skip
+    parser.add_argument(
+        "--tag",
+        default=f"{os.getpid() % 65536:04x}",
+        help="names the namespaces nt-TAG-HOST and links ntTAG-l*: at most 4 characters",
+    )
     args = parser.parse_args()
     if not 1 <= len(args.tag) <= 4 or not args.tag.isalnum():
         parser.error("--tag: 1 to 4 letters or digits")
@@ -231,15 +310,25 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     with open_topology(HOSTS, LINKS, args.tag, loopback=args.loopback) as topo, open_processes(work / "logs") as procs:
-        topology = {"isolated": topo.isolated, "note": topo.note, "namespaces": topo.namespaces if topo.isolated
-                    else [], "veths": topo.veths if topo.isolated else []}  # fmt: skip
+        topology = {
+            "isolated": topo.isolated,
+            "note": topo.note,
+            "namespaces": topo.namespaces if topo.isolated else [],
+            "veths": topo.veths if topo.isolated else [],
+        }
         result = measure(plan, topo, procs, work)
         stopped = {name: procs.stop(name) for name in list(procs.running)}
-    report = {"command": command_line(), "started": started, "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-              "plan": asdict(plan), "topology": topology, "cores": {"head": HEAD_CORE, "tail": TAIL_CORE,
-              "single": HEAD_CORE}, **result,
-              "processes": [{"name": n, "pid": pid, "exit_status": rc} for n, (pid, rc) in procs.ended.items()],
-              "crashes": [asdict(c) for c in procs.crashed.values()]}  # fmt: skip
+    report = {
+        "command": command_line(),
+        "started": started,
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "plan": asdict(plan),
+        "topology": topology,
+        "cores": {"head": HEAD_CORE, "tail": TAIL_CORE, "single": HEAD_CORE},
+        **result,
+        "processes": [{"name": n, "pid": pid, "exit_status": rc} for n, (pid, rc) in procs.ended.items()],
+        "crashes": [asdict(c) for c in procs.crashed.values()],
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"\n{topo.note}\n")

@@ -41,8 +41,18 @@ from neuron_tai.client import open_client
 from neuron_tai.shard import read_model_layers, stage_bounds, write_stages
 
 COLUMNS = ["setup", "concurrency", "agg_tok_s", "engine_tok_s", "ratio"]
-SERVE = ["--max-sessions", "8", "--kv-cells", "4096", "--n-batch", "512", "--max-prefill", "64", "--log-level",
-         "warning"]  # fmt: skip
+SERVE = [
+    "--max-sessions",
+    "8",
+    "--kv-cells",
+    "4096",
+    "--n-batch",
+    "512",
+    "--max-prefill",
+    "64",
+    "--log-level",
+    "warning",
+]
 
 
 def node_command(model: Path, address: str, threads: int, extra: list[str]) -> list[str]:
@@ -93,8 +103,11 @@ def main() -> int:
     halves = stage_bounds(read_model_layers(model).block_count, stages=2)  # gemma-3-270m: 0-9, 9-18
     shards = write_stages(model, WORK / "shards" / "chain2", halves)
     single, tail, head = (f"tcp://127.0.0.1:{port}" for port in free_ports(3))
-    nodes = [("sweep-single", model, single, 2, []), ("sweep-chain2-tail", shards[1], tail, 1, []),
-             ("sweep-chain2-head", shards[0], head, 1, ["--next", tail])]  # fmt: skip
+    nodes = [
+        ("sweep-single", model, single, 2, []),
+        ("sweep-chain2-tail", shards[1], tail, 1, []),
+        ("sweep-chain2-head", shards[0], head, 1, ["--next", tail]),
+    ]
     with open_processes(WORK / "logs") as procs:
         for name, stage, address, threads, extra in nodes:
             if not procs.start(name, node_command(stage, address, threads, extra), node_ready):

@@ -25,13 +25,36 @@ from bench.systems import NODE, SERVER
 def gather(report: dict[str, Any], multihost: dict[str, Any]) -> dict[str, Any]:
     tok = mean_by(report["runs"], "tok_s")
     node, server = tok.get(NODE, {}), tok.get(SERVER, {})
-    versus = [{"concurrency": c, "node_tok_s": round(node[c], 2), "llama_server_tok_s": round(server[c], 2),
-               "ratio": round(node[c] / server[c], 3)} for c in sorted(node) if server.get(c)]  # fmt: skip
-    scale = [{"concurrency": r["concurrency"], "chain_tok_s": r["chain_tok_s"], "one_core_tok_s": r["single_tok_s"],
-              "efficiency": r["efficiency"]} for r in multihost["scale_out"]["rows"]]  # fmt: skip
+    versus = [
+        {
+            "concurrency": c,
+            "node_tok_s": round(node[c], 2),
+            "llama_server_tok_s": round(server[c], 2),
+            "ratio": round(node[c] / server[c], 3),
+        }
+        for c in sorted(node)
+        if server.get(c)
+    ]
+    scale = [
+        {
+            "concurrency": r["concurrency"],
+            "chain_tok_s": r["chain_tok_s"],
+            "one_core_tok_s": r["single_tok_s"],
+            "efficiency": r["efficiency"],
+        }
+        for r in multihost["scale_out"]["rows"]
+    ]
     c = multihost["latency"]["concurrency"]
-    latency = [{"delay_ms": r["delay_ms"], "concurrency": c, "tok_s": r["tok_s"], "itl_p50_ms": r["itl_p50_ms"],
-                "itl_p99_ms": r["itl_p99_ms"]} for r in multihost["latency"]["rows"]]  # fmt: skip
+    latency = [
+        {
+            "delay_ms": r["delay_ms"],
+            "concurrency": c,
+            "tok_s": r["tok_s"],
+            "itl_p50_ms": r["itl_p50_ms"],
+            "itl_p99_ms": r["itl_p99_ms"],
+        }
+        for r in multihost["latency"]["rows"]
+    ]
     return {
         "generate_vs_llama_server": versus,
         "scale_out": scale,

@@ -122,8 +122,7 @@ class Processes:
             return False
         if time.monotonic() - self.started_at[name] > timeout_s:
             self.stop(name)
-            self.crashed[name] = Crash(name, None, f"was not ready within {timeout_s:.0f} s", shown(log),
-                                       log_tail(log))  # fmt: skip
+            self.crashed[name] = Crash(name, None, f"was not ready within {timeout_s:.0f} s", shown(log), log_tail(log))
             print(f"CRASHED: {name} was not ready within {timeout_s:.0f} s", file=sys.stderr, flush=True)
             return False
         return None
@@ -254,8 +253,20 @@ def free_ports(n: int) -> list[int]:
 
 def serve_command(model: Path, address: str, *, threads: int, flags: Sequence[str] = ()) -> list[str]:
     """The command line of every node the bench starts: `neuron-tai serve MODEL --bind ADDRESS --threads N FLAGS`."""
-    return [sys.executable, "-m", "neuron_tai.cli", "serve", str(model), "--bind", address, "--threads", str(threads),
-            "--log-level", "warning", *flags]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "neuron_tai.cli",
+        "serve",
+        str(model),
+        "--bind",
+        address,
+        "--threads",
+        str(threads),
+        "--log-level",
+        "warning",
+        *flags,
+    ]
 
 
 def node_ready(log: Path) -> bool:

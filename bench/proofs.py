@@ -46,8 +46,9 @@ async def invariant_proof(
     for check, got in runs.items():
         found = exact(check, solo, got)
         mismatches += found
-        checks.append({"check": check, "sessions": len(got), "tokens": sum(map(len, got.values())),
-                       "mismatches": len(found)})  # fmt: skip
+        checks.append(
+            {"check": check, "sessions": len(got), "tokens": sum(map(len, got.values())), "mismatches": len(found)}
+        )
         say(f"invariant: {check}: {len(got)} sessions, {len(found)} mismatches")
     for m in mismatches:
         print(m.describe(), file=sys.stderr, flush=True)
@@ -83,6 +84,8 @@ async def default_mode(
     forced_logits(bare, primary, forced, bare_gap.compare)
     out["teacher_forced_bare"] = bare_gap.summary()
     worst = {k: max(r["max_abs_diff"] for r in out[k]) for k in ("teacher_forced", "teacher_forced_bare")}
-    say(f"default mode: teacher-forced logits alone vs together, max |diff| node {worst['teacher_forced']}, "
-        f"bare llama_decode {worst['teacher_forced_bare']}")  # fmt: skip
+    say(
+        f"default mode: teacher-forced logits alone vs together, max |diff| node {worst['teacher_forced']}, "
+        f"bare llama_decode {worst['teacher_forced_bare']}"
+    )
     return out

@@ -85,12 +85,32 @@ class Plan:
     workload: str = "prompt"  # a key of bench.workload.WORKLOADS
 
 
-FULL = Plan(mode="full", requests=16, max_new=32, max_prompt=256, concurrencies=(1, 2, 4, 8, 16), reps=2,
-            kv_cells=4096, ctx_per_slot=512, build_server=True, burst_queue_bytes=1024,
-            out_dir=EVIDENCE / "DGR-012")  # fmt: skip
-QUICK = Plan(mode="quick", requests=16, max_new=16, max_prompt=64, concurrencies=(1, 2, 4, 8, 16), reps=1,
-             kv_cells=2048, ctx_per_slot=256, build_server=False, burst_queue_bytes=256,
-             out_dir=WORK / "DGR-012-quick")  # fmt: skip
+FULL = Plan(
+    mode="full",
+    requests=16,
+    max_new=32,
+    max_prompt=256,
+    concurrencies=(1, 2, 4, 8, 16),
+    reps=2,
+    kv_cells=4096,
+    ctx_per_slot=512,
+    build_server=True,
+    burst_queue_bytes=1024,
+    out_dir=EVIDENCE / "DGR-012",
+)
+QUICK = Plan(
+    mode="quick",
+    requests=16,
+    max_new=16,
+    max_prompt=64,
+    concurrencies=(1, 2, 4, 8, 16),
+    reps=1,
+    kv_cells=2048,
+    ctx_per_slot=256,
+    build_server=False,
+    burst_queue_bytes=256,
+    out_dir=WORK / "DGR-012-quick",
+)
 MAX_SESSIONS = 8
 
 
@@ -117,9 +137,14 @@ def llama_server(plan: Plan) -> tuple[Path | None, str]:
 
 
 # Which processes each system needs: it is reported crashed once one of them is.
-NEEDS: dict[str, tuple[str, ...]] = {SINGLE: ("single",), NODE_FAST: ("single-prefill-share-4",),
-                                     CHAIN: ("chain2-head", "chain2-tail"), SERVER: ("llama-server",),
-                                     BARE: (), PYTHON: ()}  # fmt: skip
+NEEDS: dict[str, tuple[str, ...]] = {
+    SINGLE: ("single",),
+    NODE_FAST: ("single-prefill-share-4",),
+    CHAIN: ("chain2-head", "chain2-tail"),
+    SERVER: ("llama-server",),
+    BARE: (),
+    PYTHON: (),
+}
 PROOF_NODES = ("single-invariant", "chain2-invariant-head", "chain2-invariant-tail")
 
 
@@ -158,8 +183,22 @@ def start_all(
     single_inv = serve("single-invariant", model, ports[3], 2, [*limits, *invariant])
     tail_inv = serve("chain2-invariant-tail", shards[1], ports[4], 1, [*limits, *invariant])
     head_inv = serve("chain2-invariant-head", shards[0], ports[5], 1, [*limits, *invariant, "--next", tail_inv])
-    burst_node = serve("burst", model, ports[6], 2, ["--max-sessions", "4", "--max-waiting", "4",
-                       "--queue-budget", str(plan.burst_queue_bytes), "--kv-cells", str(plan.kv_cells)])  # fmt: skip
+    burst_node = serve(
+        "burst",
+        model,
+        ports[6],
+        2,
+        [
+            "--max-sessions",
+            "4",
+            "--max-waiting",
+            "4",
+            "--queue-budget",
+            str(plan.burst_queue_bytes),
+            "--kv-cells",
+            str(plan.kv_cells),
+        ],
+    )
     binary, note = server
     port: int | None = None
     if binary is None:
@@ -199,8 +238,10 @@ async def kernel_paths(
     if head is not None and tail is not None:
         same = head["kernel_path"] == tail["kernel_path"]
         path = head["kernel_path"] if same else f"head {head['kernel_path']}, tail {tail['kernel_path']}"
-        out[CHAIN] = {"kernel_path": path, "weight_buffers": {"head": head["weight_buffers"],
-                                                              "tail": tail["weight_buffers"]}}  # fmt: skip
+        out[CHAIN] = {
+            "kernel_path": path,
+            "weight_buffers": {"head": head["weight_buffers"], "tail": tail["weight_buffers"]},
+        }
     if nodes.server_port is not None and procs.alive(NEEDS[SERVER]):
         path, buffers = weight_buffers(procs.log("llama-server"))
         out[SERVER] = {"kernel_path": path.value, "weight_buffers": buffers}
@@ -226,8 +267,10 @@ def record(
         row["engine"] = engine
     sweep.runs.append(row)
     sweep.tokens.setdefault((system, c), {t.rid: t.tokens for t in traces})
-    say(f"{system:<34} c={c:<2} rep {rep}: {row['tok_s']:8.2f} tok/s  TTFT p50 {row['ttft_p50_ms']} ms  "
-        f"ITL p50 {row['itl_p50_ms']} ms p99 {row['itl_p99_ms']} ms")  # fmt: skip
+    say(
+        f"{system:<34} c={c:<2} rep {rep}: {row['tok_s']:8.2f} tok/s  TTFT p50 {row['ttft_p50_ms']} ms  "
+        f"ITL p50 {row['itl_p50_ms']} ms p99 {row['itl_p99_ms']} ms"
+    )
 
 
 # (requests, concurrency, session tag, armed) -> traces, wall time; `armed()` runs just before the
@@ -304,9 +347,12 @@ async def sweep(
         assert llm is not None
         return run_serial(llm.llm, requests)
 
-    runs: dict[str, Run] = {SINGLE: partial(node_run, nodes.single, used),
-                            NODE_FAST: partial(node_run, nodes.single_fast, used),
-                            CHAIN: partial(node_run, nodes.chain, used), BARE: bare_run}  # fmt: skip
+    runs: dict[str, Run] = {
+        SINGLE: partial(node_run, nodes.single, used),
+        NODE_FAST: partial(node_run, nodes.single_fast, used),
+        CHAIN: partial(node_run, nodes.chain, used),
+        BARE: bare_run,
+    }
     if nodes.server_port is not None:
         runs[SERVER] = server_run
     if llm is not None:
@@ -358,18 +404,28 @@ def plan_for(base: Plan, workload: str, model: Path, out: Path | None, *, named:
 
 
 async def run(plan: Plan, model: Path, nodes: Nodes, procs: Processes, faults: Faults) -> dict[str, Any]:
-    bare = BareLoop(model, ContextConfig(n_seq_max=16, n_ctx=16 * plan.ctx_per_slot, n_batch=512, n_ubatch=512,
-                                         n_threads=2))  # fmt: skip
+    bare = BareLoop(
+        model, ContextConfig(n_seq_max=16, n_ctx=16 * plan.ctx_per_slot, n_batch=512, n_ubatch=512, n_threads=2)
+    )
     llm: PythonPeer | None = None
     try:
         corpus = bare.model.tokenize(CORPUS, add_special=False)  # the nodes' tokenizer: the same llama.cpp, model
         start = bare.model.tokenize("", add_special=True)
         bos = start[0] if start else None
-        requests = make_requests(corpus, plan.requests, plan.max_new, seed=plan.seed, max_prompt=plan.max_prompt,
-                                 bos=bos, buckets=WORKLOADS[plan.workload].buckets)  # fmt: skip
+        requests = make_requests(
+            corpus,
+            plan.requests,
+            plan.max_new,
+            seed=plan.seed,
+            max_prompt=plan.max_prompt,
+            bos=bos,
+            buckets=WORKLOADS[plan.workload].buckets,
+        )
         lengths = [len(r.prompt) for r in requests]
-        say(f"workload: {len(requests)} requests, prompts {min(lengths)}-{max(lengths)} tokens, "
-            f"{plan.max_new} new tokens each, seed {plan.seed}")  # fmt: skip
+        say(
+            f"workload: {len(requests)} requests, prompts {min(lengths)}-{max(lengths)} tokens, "
+            f"{plan.max_new} new tokens each, seed {plan.seed}"
+        )
         llm = open_llama(model, plan.ctx_per_slot, 2)
         kernels = await kernel_paths(procs, nodes, bare, llm)
         watched = {"single": nodes.single, "chain2-head": nodes.chain, "chain2-tail": nodes.chain_tail}
@@ -392,20 +448,36 @@ async def run(plan: Plan, model: Path, nodes: Nodes, procs: Processes, faults: F
     invariant = await while_alive(procs, PROOF_NODES, "the corruption proof", proof)
     burst_requests = [replace(requests[i % len(requests)], rid=200 + i) for i in range(24)]
     if procs.alive(("burst",)):
-        say(f"burst: 24 clients at once; the node takes 4 sessions, 4 waiting, {plan.burst_queue_bytes} B of queued "
-            "steps")  # fmt: skip
+        say(
+            f"burst: 24 clients at once; the node takes 4 sessions, 4 waiting, {plan.burst_queue_bytes} B of queued "
+            "steps"
+        )
     admission = await while_alive(procs, ("burst",), "the burst", partial(burst, nodes.burst, burst_requests))
     if admission is not None:
         got, expected = admission["tokens_received"], admission["tokens_expected"]
-        say(f"burst: accepted {admission['accepted']}, refused {admission['refused']}, "
-            f"busy retries {admission['busy_retries']}, tokens {got}/{expected}")  # fmt: skip
-    systems = {s: {"processes": list(NEEDS[s]), **kernels.get(s, {"kernel_path": None, "weight_buffers": None}),
-                   "crashed": [n for n in NEEDS[s] if n in procs.crashed]}
-               for s in ALL if s in kernels or any(n in procs.crashed for n in NEEDS[s])}  # fmt: skip
-    return {"workload": [{"rid": r.rid, "prompt_tokens": len(r.prompt), "max_new": r.max_new} for r in requests],
-            "systems": systems, "runs": result.runs, "telemetry": sampler.samples, "default_mode": default,
-            "invariant": invariant, "admission": admission,
-            "mismatches": invariant["mismatches"] if invariant is not None else None}  # fmt: skip
+        say(
+            f"burst: accepted {admission['accepted']}, refused {admission['refused']}, "
+            f"busy retries {admission['busy_retries']}, tokens {got}/{expected}"
+        )
+    systems = {
+        s: {
+            "processes": list(NEEDS[s]),
+            **kernels.get(s, {"kernel_path": None, "weight_buffers": None}),
+            "crashed": [n for n in NEEDS[s] if n in procs.crashed],
+        }
+        for s in ALL
+        if s in kernels or any(n in procs.crashed for n in NEEDS[s])
+    }
+    return {
+        "workload": [{"rid": r.rid, "prompt_tokens": len(r.prompt), "max_new": r.max_new} for r in requests],
+        "systems": systems,
+        "runs": result.runs,
+        "telemetry": sampler.samples,
+        "default_mode": default,
+        "invariant": invariant,
+        "admission": admission,
+        "mismatches": invariant["mismatches"] if invariant is not None else None,
+    }
 
 
 def main() -> int:
@@ -439,12 +511,21 @@ def main() -> int:
         payload = trio.run(run_until_interrupted, partial(run, plan, model, nodes, procs, faults))
     payload["processes"] = [{"name": n, "pid": pid, "exit_status": rc} for n, (pid, rc) in procs.ended.items()]
     payload["crashes"] = [asdict(c) for c in procs.crashed.values()]
-    report = {"command": command_line(), "started": started, "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-              "plan": {k: shown(v) if isinstance(v, Path) else v for k, v in asdict(plan).items()},
-              "model": model.name, "workload_name": WORKLOADS[plan.workload].name,
-              "chain2_shards": [s.name for s in shards], "llama_server": nodes.server_note,
-              "sessions_max": MAX_SESSIONS, "commit": commit(), "ceiling": ceiling,
-              **report_markdown.machine(), **payload}  # fmt: skip
+    report = {
+        "command": command_line(),
+        "started": started,
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "plan": {k: shown(v) if isinstance(v, Path) else v for k, v in asdict(plan).items()},
+        "model": model.name,
+        "workload_name": WORKLOADS[plan.workload].name,
+        "chain2_shards": [s.name for s in shards],
+        "llama_server": nodes.server_note,
+        "sessions_max": MAX_SESSIONS,
+        "commit": commit(),
+        "ceiling": ceiling,
+        **report_markdown.machine(),
+        **payload,
+    }
     report["saturation"] = saturation(report["runs"])
     plan.out_dir.mkdir(parents=True, exist_ok=True)
     (plan.out_dir / "bench.json").write_text(json.dumps(report, indent=1) + "\n")

@@ -16,9 +16,13 @@ from engine.llama_handles import extra_buffer_types
 
 def machine() -> dict[str, Any]:
     """The machine and what decides llama.cpp's kernels on it: the CPU's ISA and the build's extra buffer types."""
-    return {"machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, {_cores()} cores, "
-                       f"python {platform.python_version()}", "llama_cpp_python": lc.__version__,
-            "cpu": cpu_features().summary(), "extra_buffer_types": list(extra_buffer_types())}  # fmt: skip
+    return {
+        "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, {_cores()} cores, "
+        f"python {platform.python_version()}",
+        "llama_cpp_python": lc.__version__,
+        "cpu": cpu_features().summary(),
+        "extra_buffer_types": list(extra_buffer_types()),
+    }
 
 
 def _cores() -> int:
@@ -43,11 +47,23 @@ def render(r: dict[str, Any]) -> str:
     tok = mean_by(r["runs"], "tok_s")
     systems = [s for s in ALL if s in tok]
     quick = plan["mode"] == "quick"
-    parts = [_head(r, quick), _systems(r), _throughput(r, tok, systems, cs), _ceiling(r, tok, systems, cs),
-             _latency(r, cs), _engine_use(r, cs),
-             _corruption(r),
-             _default_mode(r), _admission(r), _telemetry(r), _pipeline(r), _gateway(r), _compatibility(r),
-             _limitations(r, tok), _next_step(r)]  # fmt: skip
+    parts = [
+        _head(r, quick),
+        _systems(r),
+        _throughput(r, tok, systems, cs),
+        _ceiling(r, tok, systems, cs),
+        _latency(r, cs),
+        _engine_use(r, cs),
+        _corruption(r),
+        _default_mode(r),
+        _admission(r),
+        _telemetry(r),
+        _pipeline(r),
+        _gateway(r),
+        _compatibility(r),
+        _limitations(r, tok),
+        _next_step(r),
+    ]
     return named_tables("\n\n".join(p for p in parts if p) + "\n", caption(r))
 
 
@@ -120,8 +136,10 @@ def _cpu(r: dict[str, Any]) -> str:
     cpu = r.get("cpu")
     if cpu is None:  # a report from before the machine section named the CPU
         return ""
-    isa = ", ".join(f"{name} {'yes' if cpu[key] else 'no'}" for key, name in
-                    (("avx2", "AVX2"), ("avx512", "AVX-512"), ("amx", "AMX")))  # fmt: skip
+    isa = ", ".join(
+        f"{name} {'yes' if cpu[key] else 'no'}"
+        for key, name in (("avx2", "AVX2"), ("avx512", "AVX-512"), ("amx", "AMX"))
+    )
     offered = ", ".join(f"`{b}`" for b in r["extra_buffer_types"]) or "none"
     return (
         f"CPU: {cpu['model']} ({isa}); extra weight buffer types this llama.cpp build offers: {offered}. "
@@ -145,15 +163,23 @@ def _systems(r: dict[str, Any]) -> str:
             shown = _buffers(buffers)
         status = "; ".join(f"**crashed**: {n} {crashes[n]['reason']}" for n in s["crashed"]) or "ran"
         rows.append([name, s["kernel_path"] or "–", shown or "–", status])
-    out = ["## Systems and kernel paths", "",
-           "Kernel path: where llama.cpp put the weights, read back from each system (the nodes' `stats`, "
-           "llama-server's and llama.cpp's load log): `repack` (CPU_REPACK kernels where the weight "
-           "type has a layout), `plain` (ordinary CPU buffer), `amx`.", "",
-           _table(["system", "kernel path", "weight buffers", "status"], rows)]  # fmt: skip
+    out = [
+        "## Systems and kernel paths",
+        "",
+        "Kernel path: where llama.cpp put the weights, read back from each system (the nodes' `stats`, "
+        "llama-server's and llama.cpp's load log): `repack` (CPU_REPACK kernels where the weight "
+        "type has a layout), `plain` (ordinary CPU buffer), `amx`.",
+        "",
+        _table(["system", "kernel path", "weight buffers", "status"], rows),
+    ]
     if crashes:
-        out += ["", "### Crashed processes", "",
-                "A process that stops on its own is reported here and the run goes on without what needs "
-                "it; the bench then exits 1."]  # fmt: skip
+        out += [
+            "",
+            "### Crashed processes",
+            "",
+            "A process that stops on its own is reported here and the run goes on without what needs "
+            "it; the bench then exits 1.",
+        ]
         for c in crashes.values():
             tail = "\n".join(c["log_tail"]) or "(empty log)"
             out += ["", f"- `{c['name']}` {c['reason']}; last lines of `{c['log']}`:", "", "```", tail, "```"]
@@ -169,10 +195,18 @@ def _throughput(r: dict[str, Any], tok: dict[str, dict[int, float]], systems: li
     for s in systems:
         pts = tok[s]
         rows.append([s, *[pts.get(c, next(iter(pts.values())) if len(pts) == 1 else None) for c in cs]])
-    out = ["## Aggregate throughput (generated tok/s)", "",
-           _table(["system", *[f"c={c}" for c in cs]], rows), "",
-           "`Llama serial` serves one request after another: the same figure at every concurrency.",
-           "", "![throughput](throughput.png)", "", "### Ratios (same run)", ""]  # fmt: skip
+    out = [
+        "## Aggregate throughput (generated tok/s)",
+        "",
+        _table(["system", *[f"c={c}" for c in cs]], rows),
+        "",
+        "`Llama serial` serves one request after another: the same figure at every concurrency.",
+        "",
+        "![throughput](throughput.png)",
+        "",
+        "### Ratios (same run)",
+        "",
+    ]
     ratio_rows = []
     for mine, name in ((NODE, "node"), (NODE_FAST, "node, prefill-share 4")):
         for other, label in (
@@ -187,9 +221,13 @@ def _throughput(r: dict[str, Any], tok: dict[str, dict[int, float]], systems: li
     if CHAIN in tok and NODE in tok:
         ratio_rows.append(["chain2 / node", *[_ratio(tok[CHAIN].get(c), tok[NODE].get(c)) for c in cs]])
     out.append(_table(["ratio", *[f"c={c}" for c in cs]], ratio_rows))
-    out += ["", f"### Saturation (rule: the first concurrency whose aggregate tok/s reaches "
-                f"{SATURATION_SHARE:.0%} of the best in the sweep; beyond it, more sessions add less than "
-                f"{1 - SATURATION_SHARE:.0%})", ""]  # fmt: skip
+    out += [
+        "",
+        f"### Saturation (rule: the first concurrency whose aggregate tok/s reaches "
+        f"{SATURATION_SHARE:.0%} of the best in the sweep; beyond it, more sessions add less than "
+        f"{1 - SATURATION_SHARE:.0%})",
+        "",
+    ]
     sat_rows = []
     for s in systems:
         sat = saturation(r["runs"]).get(s)
@@ -212,12 +250,18 @@ def _ceiling(r: dict[str, Any], tok: dict[str, dict[int, float]], systems: list[
         pts = tok[s]
         flat = next(iter(pts.values())) if len(pts) == 1 else None
         rows.append([f"{s} / ceiling", *[_ratio(pts.get(c, flat), s_tg.get(c)) for c in cs]])
-    return "\n".join(["## The physical ceiling: llama.cpp's own batched decode", "",
-                      f"`{ceiling['command']}`: B sequences of {ceiling['pp']} prompt tokens, {ceiling['tg']} "
-                      "generated each, decoded in lockstep with no server, sampling or Python. S_TG is generation "
-                      "speed without prefill; the systems' tok/s include prefill, so 1.0 is out of reach by that "
-                      "much. B = the concurrency.", "",
-                      _table(["", *[f"c={c}" for c in cs]], rows)])  # fmt: skip
+    return "\n".join(
+        [
+            "## The physical ceiling: llama.cpp's own batched decode",
+            "",
+            f"`{ceiling['command']}`: B sequences of {ceiling['pp']} prompt tokens, {ceiling['tg']} "
+            "generated each, decoded in lockstep with no server, sampling or Python. S_TG is generation "
+            "speed without prefill; the systems' tok/s include prefill, so 1.0 is out of reach by that "
+            "much. B = the concurrency.",
+            "",
+            _table(["", *[f"c={c}" for c in cs]], rows),
+        ]
+    )
 
 
 def _ratio(a: float | None, b: float | None) -> str:
@@ -231,13 +275,20 @@ def _latency(r: dict[str, Any], cs: list[int]) -> str:
         for c in cs:
             if c in cols[0]:
                 rows.append([system, str(c), *[col.get(c) for col in cols]])
-    return "\n".join(["## Latency (ms)", "",
-                      _table(["system", "c", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99"], rows), "",
-                      "TTFT runs from the request's start (before `open`) to its first token, so it includes "
-                      "waiting for a session slot and the prefill. For `bare llama_decode` a wave's requests "
-                      "start together; `Llama serial` is measured per request, without the queue in front of it. "
-                      "llama-server's ITL is between streamed events (one per token).",
-                      "", "![latency](latency.png)"])  # fmt: skip
+    return "\n".join(
+        [
+            "## Latency (ms)",
+            "",
+            _table(["system", "c", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99"], rows),
+            "",
+            "TTFT runs from the request's start (before `open`) to its first token, so it includes "
+            "waiting for a session slot and the prefill. For `bare llama_decode` a wave's requests "
+            "start together; `Llama serial` is measured per request, without the queue in front of it. "
+            "llama-server's ITL is between streamed events (one per token).",
+            "",
+            "![latency](latency.png)",
+        ]
+    )
 
 
 def _engine_use(r: dict[str, Any], cs: list[int]) -> str:
@@ -254,14 +305,39 @@ def _engine_use(r: dict[str, Any], cs: list[int]) -> str:
                 calls = m["decode_batches"][system][c]
                 fill = round(m["decode_rows"][system][c] / calls, 2) if calls else None
                 share = f"{m['llama_decode_share'][system][c]:.0%}"
-                rows.append([system, str(c), round(m["batches"][system][c], 1), round(calls, 1), fill,
-                             round(m["llama_decode_s"][system][c], 2), share])  # fmt: skip
-    return "\n".join(["## Where the time goes: llama_decode calls per run", "",
-                      "Counted by each node's engine (`stats` before and after every run; the chain: its head) "
-                      "and by the bare loop itself; means over repetitions. A call's cost grows slowly with its "
-                      "rows, so fewer, fuller calls make more tokens per second.", "",
-                      _table(["system", "c", "calls", "decode calls", "rows per decode call", "in llama_decode (s)",
-                              "share of wall time"], rows)])  # fmt: skip
+                rows.append(
+                    [
+                        system,
+                        str(c),
+                        round(m["batches"][system][c], 1),
+                        round(calls, 1),
+                        fill,
+                        round(m["llama_decode_s"][system][c], 2),
+                        share,
+                    ]
+                )
+    return "\n".join(
+        [
+            "## Where the time goes: llama_decode calls per run",
+            "",
+            "Counted by each node's engine (`stats` before and after every run; the chain: its head) "
+            "and by the bare loop itself; means over repetitions. A call's cost grows slowly with its "
+            "rows, so fewer, fuller calls make more tokens per second.",
+            "",
+            _table(
+                [
+                    "system",
+                    "c",
+                    "calls",
+                    "decode calls",
+                    "rows per decode call",
+                    "in llama_decode (s)",
+                    "share of wall time",
+                ],
+                rows,
+            ),
+        ]
+    )
 
 
 def _corruption(r: dict[str, Any]) -> str:
@@ -272,13 +348,20 @@ def _corruption(r: dict[str, Any]) -> str:
     details = "\n".join(
         f"- {m['check']}: request {m['rid']} parts at step {m['step']}" for m in inv["mismatch_details"]
     )
-    return "\n".join(["## Corruption proof (bit-exact, nodes in batch-invariant mode)", "",
-                      "Nodes started with `--batch-invariant`: decode batches padded to a multiple of 8 rows, "
-                      "prefill in calls of its own, closed sessions' KV cells held until a compaction frees them. "
-                      "Reference: each of 8 sessions run alone on the single node.", "",
-                      _table(["check", "sessions", "tokens compared", "mismatches"], rows), "",
-                      f"**mismatches: {r['mismatches']}** (any mismatch is printed and makes the bench exit 1)."
-                      + (f"\n\n{details}" if details else "")])  # fmt: skip
+    return "\n".join(
+        [
+            "## Corruption proof (bit-exact, nodes in batch-invariant mode)",
+            "",
+            "Nodes started with `--batch-invariant`: decode batches padded to a multiple of 8 rows, "
+            "prefill in calls of its own, closed sessions' KV cells held until a compaction frees them. "
+            "Reference: each of 8 sessions run alone on the single node.",
+            "",
+            _table(["check", "sessions", "tokens compared", "mismatches"], rows),
+            "",
+            f"**mismatches: {r['mismatches']}** (any mismatch is printed and makes the bench exit 1)."
+            + (f"\n\n{details}" if details else ""),
+        ]
+    )
 
 
 def _default_mode(r: dict[str, Any]) -> str:
@@ -347,8 +430,16 @@ def _default_mode(r: dict[str, Any]) -> str:
     )
 
 
-TF_COLUMNS = ["request", "steps", "max abs diff", "mean abs diff", "logit std", "smallest top-2 margin",
-              "c=8 parts at: margin there", "argmax differs"]  # fmt: skip
+TF_COLUMNS = [
+    "request",
+    "steps",
+    "max abs diff",
+    "mean abs diff",
+    "logit std",
+    "smallest top-2 margin",
+    "c=8 parts at: margin there",
+    "argmax differs",
+]
 
 
 def _admission(r: dict[str, Any]) -> str:
@@ -356,8 +447,10 @@ def _admission(r: dict[str, Any]) -> str:
     if a is None:
         return "## Admission and backpressure\n\nNot run: the burst node crashed (see above)."
     after, before = a["stats_after"], a["stats_before"]
-    rejected = {k: v - (before.get("admissions_rejected_total") or {}).get(k, 0)
-                for k, v in (after.get("admissions_rejected_total") or {}).items()}  # fmt: skip
+    rejected = {
+        k: v - (before.get("admissions_rejected_total") or {}).get(k, 0)
+        for k, v in (after.get("admissions_rejected_total") or {}).items()
+    }
     lost = "none" if not a["incomplete_sessions"] and a["tokens_received"] == a["tokens_expected"] else "SOME"
     return f"""## Admission and backpressure
 
@@ -396,26 +489,44 @@ def _pipeline(r: dict[str, Any]) -> str:
     p = r.get("pipeline")
     if p is None:
         return ""
-    versus = [[str(x["concurrency"]), x["node_tok_s"], x["llama_server_tok_s"], f"{x['ratio']:.2f}"]
-              for x in p["generate_vs_llama_server"]]  # fmt: skip
-    scale = [[str(x["concurrency"]), x["chain_tok_s"], x["one_core_tok_s"], f"{x['efficiency']:.2f}"]
-             for x in p["scale_out"]]  # fmt: skip
-    latency = [[f"{x['delay_ms']} ms", str(x["concurrency"]), x["tok_s"], x["itl_p50_ms"], x["itl_p99_ms"]]
-               for x in p["latency"]]  # fmt: skip
-    return "\n".join(["## Pipeline: server-side generation, scale-out, latency tolerance", "",
-                      f"From `evidence/pipeline.json` of the same `just bench` (`{p['command']}`, commit "
-                      f"`{str(p.get('commit'))[:12]}`). `generate` against llama-server is this report's own "
-                      "sweep above; scale-out and latency come from the multi-host part: "
-                      f"{p['topology']}; each stage pinned to its own core with one thread.", "",
-                      "### `generate` on a single node against `llama-server -np 8`", "",
-                      _table(["c", "node tok/s", "llama-server tok/s", "ratio"], versus), "",
-                      "### Scale-out: 2-stage chain (one core per stage) against one node on one core", "",
-                      "Efficiency = chain tok/s / (2 x one-core node tok/s).", "",
-                      _table(["c", "chain tok/s", "one-core node tok/s", "efficiency"], scale), "",
-                      "### Latency tolerance: the chain with delay added one way on each link", "",
-                      _table(["added delay", "c", "tok/s", "ITL p50", "ITL p99"], latency), "",
-                      f"Bit-exact mismatches in the proofs (batch-invariant nodes, `generate`, the pipelined "
-                      f"chain): **{p['mismatches']}**."])  # fmt: skip
+    versus = [
+        [str(x["concurrency"]), x["node_tok_s"], x["llama_server_tok_s"], f"{x['ratio']:.2f}"]
+        for x in p["generate_vs_llama_server"]
+    ]
+    scale = [
+        [str(x["concurrency"]), x["chain_tok_s"], x["one_core_tok_s"], f"{x['efficiency']:.2f}"] for x in p["scale_out"]
+    ]
+    latency = [
+        [f"{x['delay_ms']} ms", str(x["concurrency"]), x["tok_s"], x["itl_p50_ms"], x["itl_p99_ms"]]
+        for x in p["latency"]
+    ]
+    return "\n".join(
+        [
+            "## Pipeline: server-side generation, scale-out, latency tolerance",
+            "",
+            f"From `evidence/pipeline.json` of the same `just bench` (`{p['command']}`, commit "
+            f"`{str(p.get('commit'))[:12]}`). `generate` against llama-server is this report's own "
+            "sweep above; scale-out and latency come from the multi-host part: "
+            f"{p['topology']}; each stage pinned to its own core with one thread.",
+            "",
+            "### `generate` on a single node against `llama-server -np 8`",
+            "",
+            _table(["c", "node tok/s", "llama-server tok/s", "ratio"], versus),
+            "",
+            "### Scale-out: 2-stage chain (one core per stage) against one node on one core",
+            "",
+            "Efficiency = chain tok/s / (2 x one-core node tok/s).",
+            "",
+            _table(["c", "chain tok/s", "one-core node tok/s", "efficiency"], scale),
+            "",
+            "### Latency tolerance: the chain with delay added one way on each link",
+            "",
+            _table(["added delay", "c", "tok/s", "ITL p50", "ITL p99"], latency),
+            "",
+            f"Bit-exact mismatches in the proofs (batch-invariant nodes, `generate`, the pipelined "
+            f"chain): **{p['mismatches']}**.",
+        ]
+    )
 
 
 def _gateway(r: dict[str, Any]) -> str:
@@ -424,26 +535,42 @@ def _gateway(r: dict[str, Any]) -> str:
     if g is None:
         return ""
     results: dict[str, list[dict[str, Any]]] = g["results"]
-    rows = [[system, str(x["concurrency"]), x["tok_s"], x["ttft_p50_ms"], x["ttft_p99_ms"], x["itl_p50_ms"],
-             x["itl_p99_ms"]] for system, xs in results.items() for x in xs]  # fmt: skip
+    rows = [
+        [
+            system,
+            str(x["concurrency"]),
+            x["tok_s"],
+            x["ttft_p50_ms"],
+            x["ttft_p99_ms"],
+            x["itl_p50_ms"],
+            x["itl_p99_ms"],
+        ]
+        for system, xs in results.items()
+        for x in xs
+    ]
     server = next((xs for system, xs in results.items() if system.startswith("llama-server")), None)
     ratios = []
     if server is not None:
         base = {x["concurrency"]: x["tok_s"] for x in server}
         for system, xs in results.items():
             if xs is not server:
-                ratios.append([f"{system} / llama-server",
-                               *[_ratio(x["tok_s"], base.get(x["concurrency"])) for x in xs]])  # fmt: skip
+                ratios.append(
+                    [f"{system} / llama-server", *[_ratio(x["tok_s"], base.get(x["concurrency"])) for x in xs]]
+                )
     cs = [str(x["concurrency"]) for x in next(iter(results.values()), [])]
     plan = g["plan"]
     command = g.get("command", "python -m bench.gateway_bench")
-    out = ["## OpenAI gateway against llama-server's OpenAI endpoint", "",
-           f"From `evidence/gateway.json` of the same `just bench` (`{command}`). Every system gets the same "
-           f"{plan['requests']} requests (token-id prompts up to {plan['max_prompt']} tokens, "
-           f"{plan['max_new']} tokens each, greedy, end-of-text ignored) through `POST /v1/completions` "
-           "with `stream: true`, from concurrent clients in a closed loop, a new HTTP connection per request. "
-           "Aggregate tok/s counts completion tokens over wall time; TTFT is the first streamed text.", "",
-           _table(["system", "c", "tok/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99"], rows)]  # fmt: skip
+    out = [
+        "## OpenAI gateway against llama-server's OpenAI endpoint",
+        "",
+        f"From `evidence/gateway.json` of the same `just bench` (`{command}`). Every system gets the same "
+        f"{plan['requests']} requests (token-id prompts up to {plan['max_prompt']} tokens, "
+        f"{plan['max_new']} tokens each, greedy, end-of-text ignored) through `POST /v1/completions` "
+        "with `stream: true`, from concurrent clients in a closed loop, a new HTTP connection per request. "
+        "Aggregate tok/s counts completion tokens over wall time; TTFT is the first streamed text.",
+        "",
+        _table(["system", "c", "tok/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99"], rows),
+    ]
     if ratios:
         out += ["", _table(["tok/s ratio", *[f"c={c}" for c in cs]], ratios)]
     return "\n".join(out)
@@ -455,50 +582,72 @@ def _compatibility(r: dict[str, Any]) -> str:
     for label in (f"{BARE} c=1", f"{PYTHON} c=1", f"{SERVER} c=1", f"{CHAIN} c=1"):
         if agree.get(label):
             per = agree[label]
-            rows.append([label.removesuffix(" c=1"), f"{sum(1 for x in per if x['parts_at'] is None)}/{len(per)}",
-                         f"{sum(x['agree'] for x in per) / len(per):.3f}"])  # fmt: skip
-    return "\n".join(["## Compatibility notes", "",
-                      "Greedy tokens of each system serving one request at a time, against the node's solo run:",
-                      "", _table(["system", "requests identical", "mean token agreement"], rows), "",
-                      "- The node speaks PROTOCOL.md v1 over ZeroMQ; the peers are driven through their own APIs "
-                      "(llama-server's `/completion` with token-id prompts, `cache_prompt: false`, "
-                      "`ignore_eos: true`, streaming; `Llama.generate` with `top_k=1, temp=0` and a reset "
-                      "between requests; llama.cpp's batch API for the bare loop).",
-                      f"- llama-server: {r['llama_server']}. Same vendored llama.cpp as the node, static build, "
-                      "`-fa on`, `--cache-ram 0`, one slot per session (`-np 8`, 512 cells each)."])  # fmt: skip
+            rows.append(
+                [
+                    label.removesuffix(" c=1"),
+                    f"{sum(1 for x in per if x['parts_at'] is None)}/{len(per)}",
+                    f"{sum(x['agree'] for x in per) / len(per):.3f}",
+                ]
+            )
+    return "\n".join(
+        [
+            "## Compatibility notes",
+            "",
+            "Greedy tokens of each system serving one request at a time, against the node's solo run:",
+            "",
+            _table(["system", "requests identical", "mean token agreement"], rows),
+            "",
+            "- The node speaks PROTOCOL.md v1 over ZeroMQ; the peers are driven through their own APIs "
+            "(llama-server's `/completion` with token-id prompts, `cache_prompt: false`, "
+            "`ignore_eos: true`, streaming; `Llama.generate` with `top_k=1, temp=0` and a reset "
+            "between requests; llama.cpp's batch API for the bare loop).",
+            f"- llama-server: {r['llama_server']}. Same vendored llama.cpp as the node, static build, "
+            "`-fa on`, `--cache-ram 0`, one slot per session (`-np 8`, 512 cells each).",
+        ]
+    )
 
 
 def _limitations(r: dict[str, Any], tok: dict[str, dict[int, float]]) -> str:
-    lines = ["## Limitations", "",
-             "- One 2-core shared machine: run-to-run drift of about ±10% is usual here; every system "
-             "ran in the same session, interleaved, but single-run differences below that are noise.",
-             "- The chain's two stages share the same 2 cores, one thread each: it shows the protocol's "
-             "cost, the micro-batches' overlap and exactness on one machine, not a multi-machine speed-up.",
-             "- The client process shares the cores with the servers, for every system alike.",
-             "- The bare loop and `Llama` run inside the bench process; the nodes and llama-server "
-             "are separate processes reached over loopback (ZeroMQ / HTTP).",
-             "- Batch-invariant mode is proven at concurrency up to 8 (one padded batch shape); it "
-             "costs throughput and is meant for verification, not for serving."]  # fmt: skip
+    lines = [
+        "## Limitations",
+        "",
+        "- One 2-core shared machine: run-to-run drift of about ±10% is usual here; every system "
+        "ran in the same session, interleaved, but single-run differences below that are noise.",
+        "- The chain's two stages share the same 2 cores, one thread each: it shows the protocol's "
+        "cost, the micro-batches' overlap and exactness on one machine, not a multi-machine speed-up.",
+        "- The client process shares the cores with the servers, for every system alike.",
+        "- The bare loop and `Llama` run inside the bench process; the nodes and llama-server "
+        "are separate processes reached over loopback (ZeroMQ / HTTP).",
+        "- Batch-invariant mode is proven at concurrency up to 8 (one padded batch shape); it "
+        "costs throughput and is meant for verification, not for serving.",
+    ]
     itl = mean_by(r["runs"], "itl_p50_ms")
     node_itl, bare_itl = itl.get(NODE, {}).get(1), itl.get(BARE, {}).get(1)
     if node_itl and bare_itl:
-        lines.append(f"- At concurrency 1 the node's inter-token gap (p50) was {node_itl:.1f} ms against "
-                     f"{bare_itl:.1f} ms for the bare loop in the bench's own process (the node streams each "
-                     f"token over loopback to a client process).")  # fmt: skip
+        lines.append(
+            f"- At concurrency 1 the node's inter-token gap (p50) was {node_itl:.1f} ms against "
+            f"{bare_itl:.1f} ms for the bare loop in the bench's own process (the node streams each "
+            f"token over loopback to a client process)."
+        )
     if SERVER not in tok:
         lines.append(f"- llama-server was not measured: {r['llama_server']}.")
     return "\n".join(lines)
 
 
 def _next_step(r: dict[str, Any]) -> str:
-    return "\n".join(["## What a next step can rely on", "",
-                      "- `just bench` is one command: it builds what it needs once (llama-server under "
-                      "`~/.cache/neuron-tai/`), stops every process it started (also on Ctrl-C or SIGTERM), "
-                      "and exits non-zero on any bit-exact mismatch, lost session or crashed process (a crash is "
-                      "reported with its log's last lines; the rest of the report is still written).",
-                      "- `just bench quick` runs the same code paths on the tiny test model in under two "
-                      "minutes (the test suite runs it).",
-                      "- `bench.json` is stable input for comparisons: `runs` rows keyed by system, "
-                      "concurrency and repetition; `mismatches` is the count a gate should check.",
-                      "- `python -m bench.report --render-only DIR` redraws the plots and this README from "
-                      "DIR/bench.json without rerunning."])  # fmt: skip
+    return "\n".join(
+        [
+            "## What a next step can rely on",
+            "",
+            "- `just bench` is one command: it builds what it needs once (llama-server under "
+            "`~/.cache/neuron-tai/`), stops every process it started (also on Ctrl-C or SIGTERM), "
+            "and exits non-zero on any bit-exact mismatch, lost session or crashed process (a crash is "
+            "reported with its log's last lines; the rest of the report is still written).",
+            "- `just bench quick` runs the same code paths on the tiny test model in under two "
+            "minutes (the test suite runs it).",
+            "- `bench.json` is stable input for comparisons: `runs` rows keyed by system, "
+            "concurrency and repetition; `mismatches` is the count a gate should check.",
+            "- `python -m bench.report --render-only DIR` redraws the plots and this README from "
+            "DIR/bench.json without rerunning.",
+        ]
+    )

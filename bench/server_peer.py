@@ -30,9 +30,35 @@ def server_command(
 ) -> list[str]:
     """`-lv 4`: only at trace verbosity does llama-server log where the weights went (`<type> model buffer
     size`); it adds about 20 lines per request, none per token."""
-    return [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
-            "-c", str(slots * ctx_per_slot), "-t", str(threads), "-tb", str(threads), "-b", "512", "-ub", "512",
-            "-fa", "on", "--cache-ram", "0", "--no-webui", "-lv", "4", *kernel_args(placement)]  # fmt: skip
+    return [
+        str(binary),
+        "-m",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "-np",
+        str(slots),
+        "-c",
+        str(slots * ctx_per_slot),
+        "-t",
+        str(threads),
+        "-tb",
+        str(threads),
+        "-b",
+        "512",
+        "-ub",
+        "512",
+        "-fa",
+        "on",
+        "--cache-ram",
+        "0",
+        "--no-webui",
+        "-lv",
+        "4",
+        *kernel_args(placement),
+    ]
 
 
 def weight_buffers(log: Path) -> tuple[KernelPath, dict[str, int]]:
@@ -54,8 +80,16 @@ def healthy(port: int) -> bool:
 
 def complete(port: int, req: Request) -> Trace:
     """One streamed /completion: greedy, `max_new` tokens, end-of-text ignored, no prompt cache."""
-    body = {"prompt": list(req.prompt), "n_predict": req.max_new, "temperature": 0.0, "top_k": 1,
-            "ignore_eos": True, "cache_prompt": False, "stream": True, "return_tokens": True}  # fmt: skip
+    body = {
+        "prompt": list(req.prompt),
+        "n_predict": req.max_new,
+        "temperature": 0.0,
+        "top_k": 1,
+        "ignore_eos": True,
+        "cache_prompt": False,
+        "stream": True,
+        "return_tokens": True,
+    }
     trace = Trace(req.rid)
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
     try:

@@ -89,12 +89,26 @@ def main() -> int:
         stages = {f"{a}:{b}": median[f"{name} {a}:{b}"] for a, b in bounds}
         slowest = {r: max(s[r] for s in stages.values()) for r in ROWS}
         bound = {r: round(median["whole"][r] / (len(bounds) * slowest[r]), 3) for r in ROWS}
-        rows.append({"split": name, "bounds": [list(b) for b in bounds], "step_ms": stages, "slowest_ms": slowest,
-                     "efficiency_bound": bound})  # fmt: skip
+        rows.append(
+            {
+                "split": name,
+                "bounds": [list(b) for b in bounds],
+                "step_ms": stages,
+                "slowest_ms": slowest,
+                "efficiency_bound": bound,
+            }
+        )
         print(f"{name:8} {bounds}  slowest stage {slowest} ms  efficiency bound {bound}", flush=True)
-    payload = {"model": model.name, "stages": args.stages, "reps": args.reps, "steps": args.steps,
-               "threads": 1, "whole_step_ms": median["whole"], "splits": rows,
-               "runs": {k: [{str(r): v for r, v in x.items()} for x in got] for k, got in runs.items()}}  # fmt: skip
+    payload = {
+        "model": model.name,
+        "stages": args.stages,
+        "reps": args.reps,
+        "steps": args.steps,
+        "threads": 1,
+        "whole_step_ms": median["whole"],
+        "splits": rows,
+        "runs": {k: [{str(r): v for r, v in x.items()} for x in got] for k, got in runs.items()},
+    }
     if args.quick:
         out = WORK / "stage_cost-quick.json"
         out.write_text(json.dumps(payload, indent=2) + "\n")

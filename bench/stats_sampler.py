@@ -10,8 +10,18 @@ import trio
 
 from neuron_tai.client import NodeError, open_client
 
-KEPT = ("sessions_active", "sessions_waiting", "queue_depth", "queue_bytes", "decode_batches_total",
-        "decode_rows_total", "kv_cells_used", "kv_pressure", "decode_tokens_per_s", "prefill_tokens_per_s")  # fmt: skip
+KEPT = (
+    "sessions_active",
+    "sessions_waiting",
+    "queue_depth",
+    "queue_bytes",
+    "decode_batches_total",
+    "decode_rows_total",
+    "kv_cells_used",
+    "kv_pressure",
+    "decode_tokens_per_s",
+    "prefill_tokens_per_s",
+)
 
 
 @dataclass(slots=True)
@@ -40,6 +50,7 @@ class StatsSampler:
                     stats = None
                 if stats is not None:
                     row = {k: stats.get(k) for k in KEPT}
-                    self.samples.append({"t": round(time.perf_counter() - self.t0, 3), "node": name,
-                                         "phase": self.phase, **row})  # fmt: skip
+                    self.samples.append(
+                        {"t": round(time.perf_counter() - self.t0, 3), "node": name, "phase": self.phase, **row}
+                    )
                 await trio.sleep(self.period_s)

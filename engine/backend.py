@@ -26,8 +26,8 @@ from engine.hidden_capture import HiddenCapture
 from engine.kernels import KERNEL_CHOICES
 from engine.kv_compaction import Compaction, compact
 from engine.llama_handles import LlamaContext, LlamaModel, SamplerChain, capture_llama_log, logged_buffers
-from engine.messages import Output, Refused
-from protocol.errors import ErrorCode
+from engine.messages import Output
+from protocol.errors import ErrorCode, Fault
 from protocol.sampling import GREEDY, Sampling
 
 # KV cache element types: name -> (ggml type id, bytes per element)
@@ -197,7 +197,7 @@ class StageBackend:
         """Claim a free sequence id."""
         free = next((s for s in range(self.ctx.n_seq_max) if s not in self._seqs), None)
         if free is None:
-            raise Refused(ErrorCode.SESSION_LIMIT, f"all {self.ctx.n_seq_max} sequences are in use")
+            raise Fault(ErrorCode.SESSION_LIMIT, f"all {self.ctx.n_seq_max} sequences are in use")
         sampler = None
         if self.info.last:
             sampler = SamplerChain(
@@ -274,9 +274,9 @@ class StageBackend:
         """
         state = self._known(seq)
         if pos > state.length or pos < 0:
-            raise Refused(ErrorCode.POSITION, f"cannot rewind to {pos}: sequence holds {state.length} positions")
+            raise Fault(ErrorCode.POSITION, f"cannot rewind to {pos}: sequence holds {state.length} positions")
         if not self.can_rewind(seq, pos):
-            raise Refused(
+            raise Fault(
                 ErrorCode.POSITION,
                 f"cannot rewind to {pos}: the sliding-window cache (window {self.info.n_swa}) "
                 f"no longer holds positions before {self.ctx.seq_pos_min(seq)}",
@@ -293,7 +293,7 @@ class StageBackend:
     def _known(self, seq: int) -> _Sequence:
         state = self._seqs.get(seq)
         if state is None:
-            raise Refused(ErrorCode.UNKNOWN_SESSION, f"no open sequence {seq}")
+            raise Fault(ErrorCode.UNKNOWN_SESSION, f"no open sequence {seq}")
         return state
 
     # -- decoding ----------------------------------------------------------------
@@ -304,43 +304,49 @@ class StageBackend:
         for s in segments:
             state = self._known(s.seq)
             if s.seq in seen:
-                raise Refused(ErrorCode.BAD_REQUEST, f"sequence {s.seq} appears twice in one batch")
+                raise Fault(ErrorCode.BAD_REQUEST, f"sequence {s.seq} appears twice in one batch")
             seen.add(s.seq)
             if s.n < 1:
-                raise Refused(ErrorCode.BAD_REQUEST, "a segment needs at least one row")
+                raise Fault(ErrorCode.BAD_REQUEST, "a segment needs at least one row")
             if s.pos != state.length:
-                raise Refused(
+                raise Fault(
                     ErrorCode.POSITION, f"sequence {s.seq}: segment starts at {s.pos}, sequence holds {state.length}"
                 )
-            self.check_payload(s.tokens, s.hidden, s.output)
+            self.check_segment(s.tokens, s.hidden, s.output)
             total += s.n
         if total > self.config.n_batch:
-            raise Refused(ErrorCode.TOO_LARGE, f"batch of {total} rows exceeds n_batch {self.config.n_batch}")
+            raise Fault(ErrorCode.TOO_LARGE, f"batch of {total} rows exceeds n_batch {self.config.n_batch}")
 
     def check_payload(
         self, tokens: npt.NDArray[np.int32] | None, hidden: npt.NDArray[np.float32] | None, output: Output
     ) -> None:
-        """Refuse input or output this stage cannot take, before it can share a batch."""
+        """Refuse a request's input or output this stage cannot take, before it can share a batch:
+        what `check_segment` checks, and that hidden states are finite. The engine asks once per
+        step as it arrives; a decode does not scan every value again."""
+        self.check_segment(tokens, hidden, output)
+        if hidden is not None and not np.isfinite(hidden).all():
+            raise Fault(ErrorCode.BAD_REQUEST, "hidden states must be finite (no NaN or Inf)")
+
+    def check_segment(
+        self, tokens: npt.NDArray[np.int32] | None, hidden: npt.NDArray[np.float32] | None, output: Output
+    ) -> None:
+        """Refuse what llama.cpp must never see: the wrong input kind or output, a hidden state of
+        the wrong width, a token id outside the vocabulary (every decode checks this)."""
         info = self.info
         if (tokens is None) == (hidden is None):
-            raise Refused(ErrorCode.BAD_REQUEST, "a segment carries either tokens or hidden states")
+            raise Fault(ErrorCode.BAD_REQUEST, "a segment carries either tokens or hidden states")
         if (info.first and tokens is None) or (not info.first and hidden is None):
             want = "token ids" if info.first else "hidden states"
-            raise Refused(ErrorCode.WRONG_STAGE, f"this stage (layers {info.layers[0]}-{info.layers[1]}) takes {want}")
+            raise Fault(ErrorCode.WRONG_STAGE, f"this stage (layers {info.layers[0]}-{info.layers[1]}) takes {want}")
         if output in (Output.LOGITS, Output.TOKEN) and not info.last:
-            raise Refused(ErrorCode.WRONG_STAGE, f"only a last stage gives {output.value}; this one gives hidden")
+            raise Fault(ErrorCode.WRONG_STAGE, f"only a last stage gives {output.value}; this one gives hidden")
         if output is Output.HIDDEN and info.last:
-            raise Refused(ErrorCode.WRONG_STAGE, "a last stage gives logits or tokens, not hidden states")
+            raise Fault(ErrorCode.WRONG_STAGE, "a last stage gives logits or tokens, not hidden states")
         if tokens is not None:
             if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= info.n_vocab):
-                raise Refused(ErrorCode.BAD_REQUEST, f"token ids must be in [0, {info.n_vocab})")
-        elif hidden is not None:
-            if hidden.ndim != 2 or hidden.shape[1] != info.n_embd:
-                raise Refused(
-                    ErrorCode.BAD_REQUEST, f"hidden states must be [n, {info.n_embd}], got {list(hidden.shape)}"
-                )
-            if not np.isfinite(hidden).all():
-                raise Refused(ErrorCode.BAD_REQUEST, "hidden states must be finite (no NaN or Inf)")
+                raise Fault(ErrorCode.BAD_REQUEST, f"token ids must be in [0, {info.n_vocab})")
+        elif hidden is not None and (hidden.ndim != 2 or hidden.shape[1] != info.n_embd):
+            raise Fault(ErrorCode.BAD_REQUEST, f"hidden states must be [n, {info.n_embd}], got {list(hidden.shape)}")
 
     def decode(self, segments: Sequence[Segment]) -> list[SegmentResult]:
         """Run one batch; returns one result per segment, in order."""
@@ -400,7 +406,7 @@ class StageBackend:
     def detokenize(self, tokens: Sequence[int]) -> str:
         bad = [t for t in tokens if not 0 <= t < self.info.n_vocab]
         if bad:
-            raise Refused(ErrorCode.BAD_REQUEST, f"token ids must be in [0, {self.info.n_vocab}), got {bad[:4]}")
+            raise Fault(ErrorCode.BAD_REQUEST, f"token ids must be in [0, {self.info.n_vocab}), got {bad[:4]}")
         return self.model.detokenize(list(tokens))
 
     # -- lifetime -----------------------------------------------------------------

@@ -18,8 +18,19 @@ import gguf
 import numpy as np
 
 MAGIC = 0x46554747  # "GGUF" read as a little-endian uint32
-_SCALARS: dict[int, str] = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q",
-                            12: "<d"}  # fmt: skip
+_SCALARS: dict[int, str] = {
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
 _DTYPES = {
     0: "<u1",
     1: "<i1",

@@ -86,8 +86,13 @@ class CpuFeatures:
         return "amx_int8" in self.flags or "amx_tile" in self.flags
 
     def summary(self) -> dict[str, object]:
-        return {"model": self.model, "avx2": self.avx2, "avx512": self.avx512, "amx": self.amx,
-                "amx_flags": sorted(f for f in self.flags if f.startswith("amx"))}  # fmt: skip
+        return {
+            "model": self.model,
+            "avx2": self.avx2,
+            "avx512": self.avx512,
+            "amx": self.amx,
+            "amx_flags": sorted(f for f in self.flags if f.startswith("amx")),
+        }
 
 
 def parse_cpuinfo(text: str) -> CpuFeatures:
@@ -121,8 +126,10 @@ def choose_path(requested: str, offered: Iterable[str]) -> KernelPath:
         raise KernelChoiceError(f"kernel path must be auto, repack, plain or amx, not {requested!r}") from None
     needs = {KernelPath.AMX: AMX_BUFFER, KernelPath.REPACK: REPACK_BUFFER}.get(path)
     if needs is not None and needs not in extras:
-        raise KernelChoiceError(f"kernel path {path.value!r} needs llama.cpp's {needs} buffer type, which this "
-                                f"library does not offer (it offers {sorted(extras) or 'none'})")  # fmt: skip
+        raise KernelChoiceError(
+            f"kernel path {path.value!r} needs llama.cpp's {needs} buffer type, which this "
+            f"library does not offer (it offers {sorted(extras) or 'none'})"
+        )
     return path
 
 

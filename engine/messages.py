@@ -2,7 +2,7 @@
 
 A leaf: it imports neither llama.cpp nor the backend, so the node, the scheduler's
 tests and any client of the engine can use these types without loading a model
-library. The backend takes `Output` and `Refused` from here.
+library. Refusals are `protocol.errors.Fault`, the one error carrier.
 """
 
 from __future__ import annotations
@@ -28,9 +28,6 @@ class Output(enum.Enum):
     LOGITS = "logits"  # the last row's logits (last stage)
     TOKEN = "token"  # a token sampled from the last row (last stage)
     PAD = "pad"  # padding rows: computed as outputs (fixed batch shape), nothing returned
-
-
-Refused = Fault  # a request refused before llama.cpp saw it; nothing changed
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,21 +86,30 @@ Request = OpenRequest | StepRequest | CloseRequest | Rollback | DropOwner
 
 @dataclass(frozen=True, slots=True)
 class Opened:
+    """A session is open, with `max_tokens` KV cells reserved for it."""
+
     session: str
-    kv_reserved: int
+    max_tokens: int
+
+    @property
+    def kv_reserved(self) -> int:
+        """The wire's name for `max_tokens` (cells are reserved up front)."""
+        return self.max_tokens
 
 
 @dataclass(frozen=True, slots=True)
 class StepDone:
+    """A completed step, with the session's state after it: nothing needs to ask the engine again."""
+
     session: str
     pos: int
     n: int
     out: Output
+    length: int  # positions the session holds now (pos + n)
+    max_tokens: int  # the session's reserved cells: the most `length` may grow to
     hidden: npt.NDArray[np.float32] | None = None
     logits: npt.NDArray[np.float32] | None = None
     token: int | None = None
-    length: int = 0  # the session's length after the step
-    max_tokens: int = 0  # the session's `max_tokens`
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,11 +118,44 @@ class Closed:
     existed: bool
 
 
-Failure = Fault  # what a request is answered with instead of a result
-
-
-Result = Opened | StepDone | Closed | Failure
+Result = Opened | StepDone | Closed | Fault
 
 # Requests that only free what exists: the engine takes them even when its inbox is full
 # or it is draining (Engine.cleanup), so an undo the requester was promised always happens.
 Cleanup = CloseRequest | Rollback | DropOwner
+
+
+class EndReason(enum.Enum):
+    """Why the engine freed a session."""
+
+    CLOSED = "closed"  # a CloseRequest
+    ROLLBACK_FAILED = "rollback_failed"  # a Rollback it could not go back for
+    OWNER_GONE = "owner_gone"  # a DropOwner: its connection is gone
+    REQUESTER_GONE = "requester_gone"  # nobody waited for its open or its step's result
+    IDLE = "idle"  # idle past the idle timeout
+    BACKEND_FAILED = "backend_failed"  # a failed decode it could not be rolled back from
+    COMPACTION_LOST = "compaction_lost"  # a compaction could not put its KV cells back
+    SHUTDOWN = "shutdown"  # the engine stopped: every session still open ends with it
+
+
+@dataclass(frozen=True, slots=True)
+class SessionEnded:
+    """The engine freed this session: sent once per session, whatever the reason."""
+
+    owner: Owner
+    session: str
+    reason: EndReason
+
+
+@dataclass(frozen=True, slots=True)
+class CloseAnswered:
+    """A CloseRequest taken on the cleanup path is done; `existed`: it freed an open session
+    (then its SessionEnded came just before). Closes of one session merged before the engine
+    ran them are answered once each, only the first with `existed` possibly true."""
+
+    owner: Owner
+    session: str
+    existed: bool
+
+
+SessionEnd = SessionEnded | CloseAnswered  # what `Engine.session_ends` carries

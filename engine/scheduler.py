@@ -38,23 +38,17 @@ plans it returns, and reports back. The policy (DESIGN.md):
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Hashable, Iterable
+from collections import Counter, deque
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
-from protocol.errors import ErrorCode
+from protocol.errors import ErrorCode, Fault
 
 SessionKey = Any  # any hashable; the engine uses (connection, session id)
 Owner = Hashable  # who an open counts against for the per-owner quotas; the engine: the connection
-
-
-@dataclass(frozen=True, slots=True)
-class Rejection:
-    code: ErrorCode
-    message: str
-    retry_after_ms: int | None = None
-    quota: str | None = None  # the per-owner quota that refused it: "sessions" or "waiting"
+StepPayload = TypeVar("StepPayload")  # what the engine keeps with a step (its input, where its reply goes)
+OpenPayload = TypeVar("OpenPayload")  # what the engine keeps with a waiting open
 
 
 # llama.cpp's CPU flash attention tiles calls of 64 or more query rows over the KV cells in
@@ -117,7 +111,7 @@ class SchedulerConfig:
 
 
 @dataclass(slots=True)
-class Step:
+class Step(Generic[StepPayload]):
     """An accepted step; `done` rows of it have run."""
 
     key: SessionKey
@@ -125,7 +119,7 @@ class Step:
     n: int
     nbytes: int
     arrival: int
-    payload: object = None  # the engine's input and reply handle; opaque here
+    payload: StepPayload  # the engine's input and reply handle; opaque here
     done: int = 0
     submitted_iteration: int = 0  # the last iteration planned before it arrived
 
@@ -135,24 +129,24 @@ class Step:
 
 
 @dataclass(slots=True)
-class Session:
+class Session(Generic[StepPayload]):
     key: SessionKey
     max_tokens: int
     opened_ms: float
     seq: int = -1  # the backend's sequence id, bound by the engine
     length: int = 0
-    step: Step | None = None
+    step: Step[StepPayload] | None = None
     last_active_ms: float = 0.0
     group: int = 0  # its micro-batch, fixed at admission
     owner: Owner = None
 
 
 @dataclass(slots=True)
-class Waiter:
+class Waiter(Generic[OpenPayload]):
     key: SessionKey
     max_tokens: int
     deadline_ms: float
-    payload: object = None
+    payload: OpenPayload
     overtaken: int = 0  # opens admitted while this one waited ahead of them
     owner: Owner = None
 
@@ -205,15 +199,59 @@ class _Estimates:
         self.session_ms += 0.2 * (ms - self.session_ms)
 
 
+Admitted = tuple[Waiter[OpenPayload], Session[StepPayload]]  # a waiting open, now a session
+Refused = tuple[Waiter[OpenPayload], Fault]  # a waiting open refused (expired, over quota, draining)
+
+
+def _by_group(sessions: dict[SessionKey, Session[Any]], chunks: list[Chunk]) -> list[tuple[Chunk, ...]]:
+    """Chunks split by their sessions' micro-batch; the group whose work came first runs first."""
+    groups: dict[int, list[Chunk]] = {}
+    for chunk in chunks:  # decodes (in arrival order) first: a group's first chunk is its oldest decode
+        groups.setdefault(sessions[chunk.key].group, []).append(chunk)
+    return [tuple(g) for g in groups.values()]
+
+
+def _prefill_chunks(
+    sessions: dict[SessionKey, Session[Any]],
+    rr: deque[SessionKey],
+    budget: int,
+    aligned_to: int | None,
+    limit_sessions: int | None = None,
+) -> list[Chunk]:
+    """Round-robin: serve the prefilling sessions of `rr` in turn; whoever was served goes to the back.
+    With `aligned_to`, chunk boundaries fall at its multiples: independent of load."""
+    chunks: list[Chunk] = []
+    served: list[SessionKey] = []
+    for key in list(rr):
+        if budget <= 0 or (limit_sessions is not None and len(served) >= limit_sessions):
+            break
+        session = sessions[key]
+        step = session.step
+        assert step is not None
+        start = step.pos + step.done
+        count = min(step.n - step.done, budget)
+        if aligned_to is not None:
+            count = min(count, (start // aligned_to + 1) * aligned_to - start)
+        chunks.append(Chunk(key, session.seq, start, step.done, count, step.done + count == step.n))
+        budget -= count
+        served.append(key)
+    for key in served:
+        rr.remove(key)
+        rr.append(key)
+    return chunks
+
+
 def _round_up(n: int, k: int) -> int:
     return -(-n // k) * k
 
 
 @dataclass(slots=True)
-class Scheduler:
+class Scheduler(Generic[StepPayload, OpenPayload]):
+    """The policy above; the payloads are what the engine keeps with a step and a waiting open."""
+
     config: SchedulerConfig
-    sessions: dict[SessionKey, Session] = field(default_factory=dict)
-    waiting: deque[Waiter] = field(default_factory=deque)
+    sessions: dict[SessionKey, Session[StepPayload]] = field(default_factory=dict)
+    waiting: deque[Waiter[OpenPayload]] = field(default_factory=deque)
     kv_reserved: int = 0
     kv_held: int = 0  # cells of closed sessions and rewound tails not yet released (batch-invariant mode)
     compaction_failed_at: int | None = None  # kv_held when a compaction last failed: not retried at it
@@ -221,6 +259,7 @@ class Scheduler:
     shutting_down: bool = False
     iteration: int = 0
     estimates: _Estimates = field(default_factory=_Estimates)
+    quota_refused: Counter[str] = field(default_factory=Counter)  # opens a per-owner quota refused, by quota
     _arrivals: int = 0
     _rr: deque[SessionKey] = field(default_factory=deque)  # prefilling sessions, next first
 
@@ -236,10 +275,10 @@ class Scheduler:
         quota = self.config.sessions_per_owner
         return quota < self.config.max_sessions and self.held_by(owner)[0] >= quota
 
-    def _over_quota(self) -> Rejection:
+    def _over_quota(self) -> Fault:
         n = self.config.sessions_per_owner
-        return Rejection(ErrorCode.SESSION_LIMIT, f"this connection holds its quota of {n} sessions", self._retry_ms(),
-                         quota="sessions")  # fmt: skip
+        self.quota_refused["sessions"] += 1
+        return Fault(ErrorCode.SESSION_LIMIT, f"this connection holds its quota of {n} sessions", self._retry_ms())
 
     def _retry_ms(self) -> int:
         """When room for an open may free up: about a session's life shared by the sessions open."""
@@ -252,27 +291,39 @@ class Scheduler:
     def _may_compact(self) -> bool:
         return self.kv_held > 0 and self.kv_held != self.compaction_failed_at and not self.shutting_down
 
-    def _shortage(self, max_tokens: int) -> Rejection:
+    def _shortage(self, max_tokens: int) -> Fault:
         cfg = self.config
         retry = self._retry_ms()
         if len(self.sessions) >= cfg.max_sessions:
-            return Rejection(
-                ErrorCode.SESSION_LIMIT, f"the node holds its maximum of {cfg.max_sessions} sessions", retry
-            )
+            return Fault(ErrorCode.SESSION_LIMIT, f"the node holds its maximum of {cfg.max_sessions} sessions", retry)
         free = cfg.kv_cells - self.kv_reserved - self.kv_held
-        return Rejection(ErrorCode.KV_BUDGET, f"{max_tokens} KV cells requested, {free} of {cfg.kv_cells} free", retry)
+        return Fault(ErrorCode.KV_BUDGET, f"{max_tokens} KV cells requested, {free} of {cfg.kv_cells} free", retry)
 
     def request_open(
-        self, key: SessionKey, max_tokens: int, wait_ms: int, now_ms: float, payload: object = None, owner: Owner = None
-    ) -> Session | Waiter | Rejection:
-        """Admit now, queue for up to `wait_ms`, or reject with a reason."""
+        self,
+        key: SessionKey,
+        max_tokens: int,
+        wait_ms: int,
+        now_ms: float,
+        payload: OpenPayload,
+        owner: Owner = None,
+    ) -> Session[StepPayload] | Waiter[OpenPayload] | Fault:
+        """Admit now, queue for up to `wait_ms`, or refuse with a reason. An open that could not
+        fit even on an empty node is `too_large` (never retryable); one that may fit later, the
+        shortage (`kv_budget`, `session_limit`) with a retry estimate."""
         cfg = self.config
         if self.shutting_down:
-            return Rejection(ErrorCode.SHUTTING_DOWN, "the node is draining")
+            return Fault(ErrorCode.SHUTTING_DOWN, "the node is draining")
+        if max_tokens < 1:
+            return Fault(ErrorCode.BAD_REQUEST, "max_tokens must be >= 1")
         if key in self.sessions or any(w.key == key for w in self.waiting):
-            return Rejection(ErrorCode.SESSION_EXISTS, "a session with this id is open")
+            return Fault(ErrorCode.SESSION_EXISTS, "a session with this id is open")
         if max_tokens > cfg.kv_cells:
-            return Rejection(ErrorCode.KV_BUDGET, f"max_tokens {max_tokens} exceeds the node's {cfg.kv_cells} cells")
+            # Cells are one unified cache: the context one sequence may have is the whole cache.
+            return Fault(
+                ErrorCode.TOO_LARGE,
+                f"max_tokens {max_tokens} exceeds the node's {cfg.kv_cells} KV cells (the most one session may hold)",
+            )
         if self._at_quota(owner):
             return self._over_quota()
         if self._fits(max_tokens) and self._may_overtake():
@@ -288,7 +339,8 @@ class Scheduler:
                 return waiter
             short = self._shortage(max_tokens)
             quota = f"; this connection already has its quota of {cfg.waiting_per_owner} waiting opens"
-            return Rejection(short.code, short.message + quota, short.retry_after_ms, quota="waiting")
+            self.quota_refused["waiting"] += 1
+            return Fault(short.code, short.message + quota, short.retry_after_ms)
         return self._shortage(max_tokens)
 
     def held_by(self, owner: Owner) -> tuple[int, int]:
@@ -298,12 +350,14 @@ class Scheduler:
             sum(1 for w in self.waiting if w.owner == owner),
         )
 
-    def _admit(self, key: SessionKey, max_tokens: int, now_ms: float, owner: Owner) -> Session:
+    def _admit(self, key: SessionKey, max_tokens: int, now_ms: float, owner: Owner) -> Session[StepPayload]:
         sizes = [0] * self.config.micro_batches
         for other in self.sessions.values():
             sizes[other.group] += 1
         group = sizes.index(min(sizes))
-        session = Session(key, max_tokens, opened_ms=now_ms, last_active_ms=now_ms, group=group, owner=owner)
+        session: Session[StepPayload] = Session(
+            key, max_tokens, opened_ms=now_ms, last_active_ms=now_ms, group=group, owner=owner
+        )
         self.sessions[key] = session
         self.kv_reserved += max_tokens
         return session
@@ -313,23 +367,27 @@ class Scheduler:
         against all opens waiting ahead of it, so the oldest has been overtaken most."""
         return not self.waiting or self.waiting[0].overtaken < self.config.max_overtakes
 
-    def poll_waiting(self, now_ms: float) -> tuple[list[tuple[Waiter, Session]], list[tuple[Waiter, Rejection]]]:
+    def poll_waiting(
+        self, now_ms: float
+    ) -> tuple[list[Admitted[OpenPayload, StepPayload]], list[Refused[OpenPayload]]]:
         """Admit, oldest first, the waiters that fit (bounded overtaking); expire those past their
         deadline (and admit again behind an expired one that held admission). A waiter whose turn
         comes while its owner holds its quota of sessions is refused with the expired ones."""
-        expired: list[tuple[Waiter, Rejection]] = []
+        expired: list[Refused[OpenPayload]] = []
         admitted = self._admit_waiting(now_ms, expired)
         for w in list(self.waiting):
             if self.shutting_down or w.deadline_ms <= now_ms:
                 self.waiting.remove(w)
-                why = Rejection(ErrorCode.SHUTTING_DOWN, "the node is draining") if self.shutting_down else None
+                why = Fault(ErrorCode.SHUTTING_DOWN, "the node is draining") if self.shutting_down else None
                 expired.append((w, why or self._shortage(w.max_tokens)))
         if expired:
             admitted += self._admit_waiting(now_ms, expired)
         return admitted, expired
 
-    def _admit_waiting(self, now_ms: float, refused: list[tuple[Waiter, Rejection]]) -> list[tuple[Waiter, Session]]:
-        admitted: list[tuple[Waiter, Session]] = []
+    def _admit_waiting(
+        self, now_ms: float, refused: list[Refused[OpenPayload]]
+    ) -> list[Admitted[OpenPayload, StepPayload]]:
+        admitted: list[Admitted[OpenPayload, StepPayload]] = []
         i = 0
         while i < len(self.waiting) and not self.shutting_down:
             w = self.waiting[i]
@@ -348,7 +406,7 @@ class Scheduler:
                 break
         return admitted
 
-    def drop_waiting(self, owner: Owner) -> list[Waiter]:
+    def drop_waiting(self, owner: Owner) -> list[Waiter[OpenPayload]]:
         """Forget the owner's waiting opens (its connection is gone); they are returned to be answered."""
         dropped = [w for w in self.waiting if w.owner == owner]
         for w in dropped:
@@ -358,7 +416,7 @@ class Scheduler:
     def next_deadline_ms(self) -> float | None:
         return min((w.deadline_ms for w in self.waiting), default=None)
 
-    def close(self, key: SessionKey, now_ms: float) -> Session | None:
+    def close(self, key: SessionKey, now_ms: float) -> Session[StepPayload] | None:
         """Forget a session (and its pending step, returned on the session); None if unknown."""
         session = self.sessions.pop(key, None)
         if session is None:
@@ -374,26 +432,41 @@ class Scheduler:
     # -- steps -------------------------------------------------------------------
 
     def submit(
-        self, key: SessionKey, pos: int, n: int, nbytes: int, now_ms: float, payload: object = None
-    ) -> Step | Rejection:
-        """Accept a step or refuse it; an accepted rewind (pos < length) shortens the session."""
+        self,
+        key: SessionKey,
+        pos: int,
+        n: int,
+        nbytes: int,
+        now_ms: float,
+        payload: StepPayload,
+        can_rewind: Callable[[int, int], bool] | None = None,
+    ) -> Step[StepPayload] | Fault:
+        """Accept a step or refuse it; an accepted rewind (pos < length) shortens the session.
+
+        The one place a step's session state is checked. `can_rewind(seq, pos)` says whether
+        the backend can still go back to `pos` (a sliding window forgets); None: always.
+        """
         cfg = self.config
         if self.shutting_down:
-            return Rejection(ErrorCode.SHUTTING_DOWN, "the node is draining")
+            return Fault(ErrorCode.SHUTTING_DOWN, "the node is draining")
         session = self.sessions.get(key)
         if session is None:
-            return Rejection(ErrorCode.UNKNOWN_SESSION, "no such open session on this connection")
+            return Fault(ErrorCode.UNKNOWN_SESSION, "no such open session on this connection")
         if session.step is not None:
-            return Rejection(ErrorCode.BUSY, "the session already has a step in flight", self.busy_retry_ms())
+            return Fault(ErrorCode.BUSY, "the session already has a step in flight", self.busy_retry_ms())
+        if n < 1:
+            return Fault(ErrorCode.BAD_REQUEST, "a step needs n >= 1")
         if n > cfg.max_step_tokens:
-            return Rejection(ErrorCode.TOO_LARGE, f"n={n} exceeds max_step_tokens {cfg.max_step_tokens}")
-        if n < 1 or pos < 0 or pos > session.length or pos + n > session.max_tokens:
-            return Rejection(
+            return Fault(ErrorCode.TOO_LARGE, f"n={n} exceeds max_step_tokens {cfg.max_step_tokens}")
+        if pos < 0 or pos > session.length or pos + n > session.max_tokens:
+            return Fault(
                 ErrorCode.POSITION,
                 f"step at pos={pos} n={n}: session holds {session.length} of max_tokens {session.max_tokens}",
             )
+        if pos < session.length and can_rewind is not None and not can_rewind(session.seq, pos):
+            return Fault(ErrorCode.POSITION, f"cannot rewind to {pos}: outside the sliding window")
         if self.queued_bytes + nbytes > cfg.queue_budget_bytes:
-            return Rejection(
+            return Fault(
                 ErrorCode.BUSY, f"queue budget full ({self.queued_bytes} of {cfg.queue_budget_bytes} bytes)",
                 self.busy_retry_ms(),
             )  # fmt: skip
@@ -431,55 +504,27 @@ class Scheduler:
         decode_chunks = [Chunk(s.key, s.seq, s.length, 0, 1, True) for s in decodes]
         calls: list[Call] = []
         if cfg.batch_invariant:
-            for group in self._by_group(decode_chunks):
+            for group in _by_group(self.sessions, decode_chunks):
                 calls.append(Call(group, _round_up(len(group), cfg.pad_rows) - len(group)))
-            prefill = self._prefill_chunks(cfg.max_prefill_tokens, aligned=True, limit_sessions=1)
+            prefill = _prefill_chunks(
+                self.sessions, self._rr, cfg.max_prefill_tokens, cfg.max_prefill_tokens, limit_sessions=1
+            )
             calls += [Call((c,), _round_up(c.count, cfg.pad_rows) - c.count) for c in prefill]
         else:
             budget = min(cfg.n_batch - len(decode_chunks), cfg.max_prefill_tokens)
             if decode_chunks and prefill_budget is not None:
                 budget = min(budget, max(0, prefill_budget))
-            chunks = decode_chunks + self._prefill_chunks(budget, aligned=False)
-            calls += [Call(group) for group in self._by_group(chunks)]
+            chunks = decode_chunks + _prefill_chunks(self.sessions, self._rr, budget, None)
+            calls += [Call(group) for group in _by_group(self.sessions, chunks)]
         if not calls:
             return None
         self.iteration += 1
         return Plan(self.iteration, tuple(calls))
 
-    def _by_group(self, chunks: list[Chunk]) -> list[tuple[Chunk, ...]]:
-        """Chunks split by their sessions' micro-batch; the group whose work came first runs first."""
-        groups: dict[int, list[Chunk]] = {}
-        for chunk in chunks:  # decodes (in arrival order) first: a group's first chunk is its oldest decode
-            groups.setdefault(self.sessions[chunk.key].group, []).append(chunk)
-        return [tuple(g) for g in groups.values()]
-
-    def _prefill_chunks(self, budget: int, *, aligned: bool, limit_sessions: int | None = None) -> list[Chunk]:
-        """Round-robin: serve prefilling sessions in turn; whoever was served goes to the back."""
-        chunks: list[Chunk] = []
-        served: list[SessionKey] = []
-        for key in list(self._rr):
-            if budget <= 0 or (limit_sessions is not None and len(served) >= limit_sessions):
-                break
-            session = self.sessions[key]
-            step = session.step
-            assert step is not None
-            start = step.pos + step.done
-            count = min(step.n - step.done, budget)
-            if aligned:  # chunk boundaries at multiples of the chunk size: independent of load
-                size = self.config.max_prefill_tokens
-                count = min(count, (start // size + 1) * size - start)
-            chunks.append(Chunk(key, session.seq, start, step.done, count, step.done + count == step.n))
-            budget -= count
-            served.append(key)
-        for key in served:
-            self._rr.remove(key)
-            self._rr.append(key)
-        return chunks
-
-    def commit(self, plan: Plan, now_ms: float, step_ms: float) -> list[Step]:
+    def commit(self, plan: Plan, now_ms: float, step_ms: float) -> list[Step[StepPayload]]:
         """Record a plan that ran; returns the steps it completed (to be answered)."""
         self.estimates.observe_step(step_ms)
-        finished: list[Step] = []
+        finished: list[Step[StepPayload]] = []
         for chunk in plan.chunks:
             session = self.sessions[chunk.key]
             step = session.step
@@ -495,9 +540,9 @@ class Scheduler:
                     self._rr.remove(chunk.key)
         return finished
 
-    def fail(self, plan: Plan) -> list[Step]:
+    def fail(self, plan: Plan) -> list[Step[StepPayload]]:
         """A plan's call failed: its steps are dropped and their sessions set back to each step's start."""
-        failed: list[Step] = []
+        failed: list[Step[StepPayload]] = []
         for key in dict.fromkeys(c.key for c in plan.chunks):
             session = self.sessions[key]
             step = session.step
@@ -547,7 +592,7 @@ class Scheduler:
     def idle_sessions(self, now_ms: float, idle_ms: float) -> list[SessionKey]:
         return [k for k, s in self.sessions.items() if s.step is None and now_ms - s.last_active_ms >= idle_ms]
 
-    def begin_shutdown(self, now_ms: float) -> list[tuple[Waiter, Rejection]]:
+    def begin_shutdown(self, now_ms: float) -> list[Refused[OpenPayload]]:
         """Refuse new work from now on; waiting opens are rejected."""
         self.shutting_down = True
         return self.poll_waiting(now_ms)[1]

@@ -6,6 +6,8 @@ import bisect
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
+from protocol.errors import Fault
+
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -46,21 +48,14 @@ class Histogram:
         self.total += value
         self.n += 1
 
-    def snapshot(self) -> dict[str, object]:
-        cumulative, running = {}, 0
-        for bound, count in zip((*self.bounds, float("inf")), self.counts, strict=True):
-            running += count
-            cumulative["+Inf" if bound == float("inf") else str(bound)] = running
-        return {"buckets": cumulative, "sum": round(self.total, 6), "count": self.n}
-
 
 @dataclass(slots=True)
 class Telemetry:
-    """Counters the engine updates; `snapshot` adds the gauges it is given."""
+    """Counters the engine updates (read through `Engine.statistics`)."""
 
     admissions_total: int = 0
     rejected: Counter[str] = field(default_factory=Counter)
-    quota_refused: Counter[str] = field(default_factory=Counter)  # by per-connection quota
+    quota_refused: Counter[str] = field(default_factory=Counter)  # by the engine's per-connection quota (queued)
     errors: Counter[str] = field(default_factory=Counter)
     batches_total: int = 0
     batch_rows_last: int = 0
@@ -96,6 +91,11 @@ class Telemetry:
         self.prefill_window.add(now, prefill)
         self.decode_window.add(now, decode)
         self.step_seconds.observe(seconds)
+
+    def counted(self, fault: Fault) -> Fault:
+        """Count an error the engine answers (`errors_total`), and pass it on."""
+        self.errors[fault.code] += 1
+        return fault
 
     def occupancy(self, max_rows: int) -> float:
         """Mean rows per batch over the maximum rows a batch may carry."""

@@ -96,9 +96,14 @@ class ChatTemplate:
 
         try:
             template = env.from_string(self.source)
-            return template.render(messages=list(messages), bos_token=self.specials.bos, eos_token=self.specials.eos,
-                                   add_generation_prompt=True, raise_exception=raise_exception,
-                                   strftime_now=strftime_now)  # fmt: skip
+            return template.render(
+                messages=list(messages),
+                bos_token=self.specials.bos,
+                eos_token=self.specials.eos,
+                add_generation_prompt=True,
+                raise_exception=raise_exception,
+                strftime_now=strftime_now,
+            )
         except TemplateError as exc:
             raise ChatTemplateError(f"chat template: {exc}") from None
 

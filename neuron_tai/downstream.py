@@ -103,8 +103,9 @@ class NextStage:
         self.timeout_s = timeout_s
         self.connect_wait_s = connect_wait_s
         self.sock = TrioSocket(sock)
-        self.core = Requester(self.sock, max_outbox=hwm, max_outbox_bytes=max_outbox_bytes,
-                              limits=NEXT_STAGE_REPLY_LIMITS)  # fmt: skip
+        self.core = Requester(
+            self.sock, max_outbox=hwm, max_outbox_bytes=max_outbox_bytes, limits=NEXT_STAGE_REPLY_LIMITS
+        )
         self.core.pump.holding = True  # until the first handshake: nothing is sent before the link is up
         self.keeper = LeaseKeeper(self.core)
         self.connected = False

@@ -184,12 +184,21 @@ class GatewayMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.requests = Counter("neuron_tai_gateway_requests", "HTTP requests by endpoint and status",
-                                ["endpoint", "status"], registry=self.registry)  # fmt: skip
-        self.latency = Histogram("neuron_tai_gateway_request_seconds", "time to the full response (or stream end)",
-                                 ["endpoint"], registry=self.registry)  # fmt: skip
-        self.ttft = Histogram("neuron_tai_gateway_ttft_seconds", "time to the first generated text",
-                              registry=self.registry)  # fmt: skip
+        self.requests = Counter(
+            "neuron_tai_gateway_requests",
+            "HTTP requests by endpoint and status",
+            ["endpoint", "status"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "neuron_tai_gateway_request_seconds",
+            "time to the full response (or stream end)",
+            ["endpoint"],
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "neuron_tai_gateway_ttft_seconds", "time to the first generated text", registry=self.registry
+        )
         self.tokens = Counter("neuron_tai_gateway_completion_tokens", "tokens generated", registry=self.registry)
         self.in_flight = Gauge("neuron_tai_gateway_generations_active", "generations running", registry=self.registry)
         self.node_up = Gauge("neuron_tai_gateway_node_up", "1 when the node answered stats", registry=self.registry)
@@ -316,8 +325,13 @@ class Gateway:
     def _admit(self) -> Callable[[], None]:
         """Count a generation in flight (429 at `max_requests`); the returned call ends it, once."""
         if self.active >= self.config.max_requests:
-            raise ApiError(429, "the gateway has too many requests in flight", type_="rate_limit_error",
-                           code="too_many_requests", retry_after_s=1)  # fmt: skip
+            raise ApiError(
+                429,
+                "the gateway has too many requests in flight",
+                type_="rate_limit_error",
+                code="too_many_requests",
+                retry_after_s=1,
+            )
         self.active += 1
         self.metrics.in_flight.inc()
         released = False

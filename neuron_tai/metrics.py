@@ -34,8 +34,9 @@ class SnapshotCollector(Collector):
                 yield family
             elif name == "step_seconds":
                 buckets = [(b, v) for b, v in value["buckets"].items()]
-                yield HistogramMetricFamily(prefix + name, "llama_decode call time", buckets=buckets,
-                                            sum_value=value["sum"])  # fmt: skip
+                yield HistogramMetricFamily(
+                    prefix + name, "llama_decode call time", buckets=buckets, sum_value=value["sum"]
+                )
             elif name in COUNTERS:
                 yield CounterMetricFamily(prefix + name.removesuffix("_total"), name, value=value)
             elif isinstance(value, int | float) and not isinstance(value, bool):

@@ -33,7 +33,7 @@ import trio
 import zmq
 
 from engine.engine import Engine, open_engine
-from engine.messages import DropOwner
+from engine.messages import DropOwner, SessionEnded
 from neuron_tai.config import NodeConfig
 from neuron_tai.downstream import NextStage
 from neuron_tai.forwarding import Forwarder
@@ -85,9 +85,19 @@ def next_stages(ctx: zmq.Context[zmq.Socket[bytes]], config: NodeConfig, engine:
     stage, links = engine.stage, []
     try:
         for address in addresses:
-            links.append(NextStage(ctx, address, config.downstream_timeout_s, config.hwm, stage.n_embd, stage.n_vocab,
-                                   curve=auth, send_hwm=config.send_hwm,
-                                   max_outbox_bytes=config.max_next_outbox_bytes))  # fmt: skip
+            links.append(
+                NextStage(
+                    ctx,
+                    address,
+                    config.downstream_timeout_s,
+                    config.hwm,
+                    stage.n_embd,
+                    stage.n_vocab,
+                    curve=auth,
+                    send_hwm=config.send_hwm,
+                    max_outbox_bytes=config.max_next_outbox_bytes,
+                )
+            )
     except BaseException:
         for link in links:
             link.close()
@@ -155,7 +165,7 @@ class Node:
             max_tokens=config.max_text_tokens,
             max_pending_bytes=config.max_text_pending_bytes,
         )
-        engine.on_close = self.steps.session_freed
+        self.session_ends = engine.session_ends  # taken now: the engine posts ends from then on
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The socket tasks, the leases and every request's task live in this nursery."""
@@ -165,7 +175,19 @@ class Node:
             if self.next is not None:
                 await nursery.start(self.next.run)
             await nursery.start(self.leases.run)
+            nursery.start_soon(self._follow_session_ends)
             task_status.started()
+
+    async def _follow_session_ends(self) -> None:
+        """The one reader of the engine's session ends: a freed session is freed below too (and
+        forgotten here); a close the engine ran is answered. Never waits for the engine."""
+        async for end in self.session_ends:
+            peer = end.owner
+            assert isinstance(peer, bytes)  # the node's sessions are owned by connections
+            if isinstance(end, SessionEnded):
+                self.steps.session_freed(peer, end.session)
+            else:
+                self.sessions.answered((peer, end.session), end.existed)
 
     # -- requests ----------------------------------------------------------------------
 

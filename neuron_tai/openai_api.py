@@ -227,8 +227,12 @@ class Shape:
 
     def full(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
         if self.chat:
-            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
-                                      "logprobs": None, "finish_reason": finish_reason}  # fmt: skip
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
         return {**self._head(False), "choices": [choice], "usage": usage.body()}

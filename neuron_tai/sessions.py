@@ -76,14 +76,14 @@ class SessionDesk:
             run.cancel.set()
 
     def _close_in_engine(self, key: Key) -> None:
-        peer, session = key
+        self.engine.cleanup_nowait(CloseRequest(*key))  # answered on its `CloseAnswered` (`answered`)
 
-        def answer(existed: bool) -> None:  # in the engine task, once it has closed the session
-            rid = self.closing.pop(key, None)
-            if rid is not None:
-                self._closed(peer, rid, session, existed)  # its close on the next stage is queued by then
-
-        self.engine.cleanup_nowait(CloseRequest(peer, session), answer)
+    def answered(self, key: Key, existed: bool) -> None:
+        """The engine ran a close of this session: answer the `close` that waits for it, if any.
+        Its `SessionEnded` came first, so its close on the next stage is queued by then."""
+        rid = self.closing.pop(key, None)
+        if rid is not None:
+            self._closed(key[0], rid, key[1], existed)
 
     def _closed(self, peer: bytes, rid: int, session: str, existed: bool) -> None:
         self.outbox.send(peer, wire.encode_reply(wire.Closed(rid, session, existed)))

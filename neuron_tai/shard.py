@@ -91,6 +91,21 @@ def write_shard(src: Path, start: int, end: int, out: Path, header: Header | Non
         raise ShardError(f"{src}: {why}")
     layers = _facts(header, src)
     check_layer_range(layers.block_count, start, end)
+    entries = _shard_entries(header, arch, layers, start, end)
+    kept = _shard_tensors(header, start, end)
+    tmp = out.with_name(out.name + ".part")
+    try:
+        with src.open("rb") as fin, tmp.open("wb") as fout:
+            _write(fout, fin, header, entries, kept)
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return out
+
+
+def _overrides(header: Header, arch: str, layers: ModelFacts, start: int, end: int) -> dict[str, bytes]:
+    """The metadata a shard of layers [start, end) states differently from its source."""
     overrides = {
         f"{arch}.block_count": encode_entry(f"{arch}.block_count", end - start, _UINT32),
         KEY_SOURCE_MODEL: encode_entry(KEY_SOURCE_MODEL, layers.name, STRING),
@@ -107,7 +122,12 @@ def write_shard(src: Path, start: int, end: int, out: Path, header: Header | Non
             # with no sliding layer in it, and without a window these layers compute the same.
             window = f"{arch}.attention.sliding_window"
             overrides[window] = encode_entry(window, 0, _UINT32)
+    return overrides
 
+
+def _shard_entries(header: Header, arch: str, layers: ModelFacts, start: int, end: int) -> list[bytes]:
+    """The shard's metadata entries: the source's, per-layer arrays cut to the range, overrides applied."""
+    overrides = _overrides(header, arch, layers, start, end)
     entries: list[bytes] = []
     for key, entry in header.entries.items():
         if key in overrides:
@@ -121,8 +141,11 @@ def write_shard(src: Path, start: int, end: int, out: Path, header: Header | Non
             entries.append(encode_entry(key, list(entry.value)[start:end], ARRAY, entry.elem_type))
         else:
             entries.append(entry.raw)
-    entries += overrides.values()
+    return entries + list(overrides.values())
 
+
+def _shard_tensors(header: Header, start: int, end: int) -> list[tuple[str, TensorInfo]]:
+    """Every tensor outside the blocks, and the blocks of the range renumbered from 0."""
     kept = []
     for t in header.tensors:
         m = _BLOCK.match(t.name)
@@ -130,16 +153,7 @@ def write_shard(src: Path, start: int, end: int, out: Path, header: Header | Non
             kept.append((t.name, t))
         elif start <= int(m.group(1)) < end:
             kept.append((f"blk.{int(m.group(1)) - start}.{m.group(2)}", t))
-
-    tmp = out.with_name(out.name + ".part")
-    try:
-        with src.open("rb") as fin, tmp.open("wb") as fout:
-            _write(fout, fin, header, entries, kept)
-        os.replace(tmp, out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return out
+    return kept
 
 
 def _align(n: int, alignment: int) -> int:
@@ -153,8 +167,12 @@ def _write(
     infos, offset = [], 0
     for name, t in kept:
         offset = _align(offset, align)
-        infos.append(encode_string(name) + struct.pack("<I", len(t.dims)) + struct.pack(f"<{len(t.dims)}Q", *t.dims)
-                     + struct.pack("<IQ", t.ggml_type, offset))  # fmt: skip
+        infos.append(
+            encode_string(name)
+            + struct.pack("<I", len(t.dims))
+            + struct.pack(f"<{len(t.dims)}Q", *t.dims)
+            + struct.pack("<IQ", t.ggml_type, offset)
+        )
         offset += t.nbytes
     fout.write(struct.pack("<IIQQ", MAGIC, 3, len(kept), len(entries)))
     for raw in (*entries, *infos):

@@ -97,8 +97,13 @@ class StepRunner:
         self.forwarder = forwarder
         self.recovery: Recovery[StepOutcome] | None = None
         if forwarder is not None and stage.first and recovery.attempts > 0:  # only the head sees tokens
-            self.recovery = Recovery(forwarder, self._once, max_step_tokens=stage.max_step_tokens,
-                                     attempts=recovery.attempts, deadline_s=recovery.deadline_s)  # fmt: skip
+            self.recovery = Recovery(
+                forwarder,
+                self._once,
+                max_step_tokens=stage.max_step_tokens,
+                attempts=recovery.attempts,
+                deadline_s=recovery.deadline_s,
+            )
 
     def refusal(self, req: wire.Step) -> Fault | None:
         """What this stage refuses before any work: input or output it does not serve, or too many tokens."""
@@ -137,6 +142,10 @@ class StepRunner:
         return outcome
 
     def session_freed(self, peer: bytes, session: str) -> None:
+        """The engine freed the session. Its end is read a little later than it happened: a
+        session of the same name opened again meanwhile is left alone."""
+        if self.engine.max_tokens_of(peer, session) is not None:
+            return
         if self.recovery is not None:
             self.recovery.histories.forget((peer, session))
         if self.forwarder is not None:

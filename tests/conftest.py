@@ -18,8 +18,16 @@ TINY_GEMMA = TinySpec(arch="gemma3", n_layer=6, sliding_window=4, seed=99)
 TINY_QUANT = TinySpec(n_embd=256, n_ff=512, quant="q4_k_m", seed=4321)
 # The real-shape generator's path at test scale: random Q8_0 tensors streamed to disk, requantized
 # to Q4_K_M, a vocabulary padded with unused tokens, and a head tied to the embedding (as Llama-3.2-1B).
-TINY_SHAPED = TinySpec(n_embd=256, n_ff=512, n_vocab=1024, tied_output=True, source="q8_0", quant="q4_k_m",
-                       seed=2024, name="tiny real-shape llama")  # fmt: skip
+TINY_SHAPED = TinySpec(
+    n_embd=256,
+    n_ff=512,
+    n_vocab=1024,
+    tied_output=True,
+    source="q8_0",
+    quant="q4_k_m",
+    seed=2024,
+    name="tiny real-shape llama",
+)
 
 
 @pytest.fixture(scope="session")

@@ -18,9 +18,9 @@ from engine.backend import (
     StageBackend,
 )
 from engine.llama_handles import LlamaModel, capture_llama_log
-from engine.messages import Output, Refused
+from engine.messages import Output
 from neuron_tai.shard import write_stages
-from protocol.errors import ErrorCode
+from protocol.errors import ErrorCode, Fault
 from protocol.sampling import Sampling
 from testkit.local_chain import LocalChain
 from testkit.models import TinySpec, write_tiny_model
@@ -203,7 +203,7 @@ def test_malformed_segments_are_refused_before_llama_cpp(
 ) -> None:
     backend: StageBackend = open_backend(tiny_model)
     seq = backend.open_sequence()
-    with pytest.raises(Refused) as info:
+    with pytest.raises(Fault) as info:
         backend.decode([make_segment(seq)])
     assert info.value.code is reason
     assert str(info.value)
@@ -223,9 +223,13 @@ def test_bad_hidden_input_is_refused(
 ) -> None:
     backend: StageBackend = open_backend(tiny_shards2[1])
     seq = backend.open_sequence()
-    with pytest.raises(Refused) as info:
-        backend.decode([Segment(seq, 0, hidden=hidden, output=Output.LOGITS)])
+    with pytest.raises(Fault) as info:  # checked as a request arrives: the shape and every value
+        backend.check_payload(None, hidden, Output.LOGITS)
     assert info.value.code is reason
+    if np.isfinite(hidden).all():  # a decode checks the shape too; values it leaves to check_payload
+        with pytest.raises(Fault) as info:
+            backend.decode([Segment(seq, 0, hidden=hidden, output=Output.LOGITS)])
+        assert info.value.code is reason
     assert backend.length(seq) == 0
 
 
@@ -233,7 +237,7 @@ def test_duplicate_sequence_in_one_batch_is_refused(tiny_model: Path, open_backe
     backend: StageBackend = open_backend(tiny_model)
     seq = backend.open_sequence()
     one = np.array([5], np.int32)
-    with pytest.raises(Refused, match="twice"):
+    with pytest.raises(Fault, match="twice"):
         backend.decode([Segment(seq, 0, tokens=one), Segment(seq, 1, tokens=one)])
 
 
@@ -269,7 +273,7 @@ def test_failed_decode_changes_nothing(tiny_model: Path, open_backend: OpenBacke
 def test_sequences_are_limited_and_reusable(tiny_model: Path, open_backend: OpenBackend) -> None:
     backend: StageBackend = open_backend(tiny_model, replace(CONFIG, n_seq_max=2))
     a, b = backend.open_sequence(), backend.open_sequence()
-    with pytest.raises(Refused) as info:
+    with pytest.raises(Fault) as info:
         backend.open_sequence()
     assert info.value.code is ErrorCode.SESSION_LIMIT
     backend.decode([Segment(a, 0, tokens=np.array([1, 5, 6], np.int32))])
@@ -293,7 +297,7 @@ def test_sliding_window_rewind_is_refused_when_the_window_has_moved(
     for start in range(0, 400, 16):
         backend.decode([Segment(seq, start, tokens=tokens[start : start + 16])])
     assert backend.ctx.seq_pos_min(seq) > 40
-    with pytest.raises(Refused) as info:
+    with pytest.raises(Fault) as info:
         backend.rewind(seq, 40)
     assert info.value.code is ErrorCode.POSITION and "sliding-window" in str(info.value)
     assert backend.length(seq) == 400
@@ -332,7 +336,7 @@ def test_tokenize_round_trip(tiny_model: Path, open_backend: OpenBackend) -> Non
     tokens = backend.tokenize("the cat and the hat")
     assert tokens[0] == 1 and len(tokens) > 3
     assert backend.detokenize(tokens[1:]).strip() == "the cat and the hat"
-    with pytest.raises(Refused):
+    with pytest.raises(Fault):
         backend.detokenize([9999])
 
 

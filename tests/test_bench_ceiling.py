@@ -25,8 +25,15 @@ def test_parse_table_reads_s_tg_per_batch_count() -> None:
 
 
 def test_report_shows_every_system_as_a_fraction_of_the_ceiling() -> None:
-    report = {"model": "m.gguf", "ceiling": {"command": "llama-batched-bench -m m.gguf", "pp": 16, "tg": 128,
-                                             "s_tg": {"1": 100.0, "2": 160.0, "4": 200.0}}}  # fmt: skip
+    report = {
+        "model": "m.gguf",
+        "ceiling": {
+            "command": "llama-batched-bench -m m.gguf",
+            "pp": 16,
+            "tg": 128,
+            "s_tg": {"1": 100.0, "2": 160.0, "4": 200.0},
+        },
+    }
     tok = {"neuron-tai single": {1: 90.0, 2: 120.0, 4: 210.0}, "Llama serial": {1: 50.0}}
     section = named_tables(_ceiling(report, tok, list(tok), [1, 2, 4]), "Model `m.gguf`:")
     lines = section.splitlines()

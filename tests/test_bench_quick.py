@@ -27,8 +27,13 @@ def test_quick_bench_reports_every_system_and_proves_sessions_never_mix(tmp_path
         [*REPORT, "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600, check=False
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert {p.name for p in out.iterdir()} >= {"README.md", "bench.json", "throughput.png", "latency.png",
-                                               "telemetry.png"}  # fmt: skip
+    assert {p.name for p in out.iterdir()} >= {
+        "README.md",
+        "bench.json",
+        "throughput.png",
+        "latency.png",
+        "telemetry.png",
+    }
     report = json.loads((out / "bench.json").read_text())
 
     assert report["mismatches"] == 0
@@ -70,8 +75,17 @@ def test_quick_bench_reports_every_system_and_proves_sessions_never_mix(tmp_path
 
     # The full run's later parts fold into the same report (here the committed evidence of one).
     evidence = ROOT / "evidence"
-    attach = [sys.executable, "-m", "bench.attach", "--report-dir", str(out), "--gateway",
-              str(evidence / "gateway.json"), "--pipeline", str(evidence / "pipeline.json")]  # fmt: skip
+    attach = [
+        sys.executable,
+        "-m",
+        "bench.attach",
+        "--report-dir",
+        str(out),
+        "--gateway",
+        str(evidence / "gateway.json"),
+        "--pipeline",
+        str(evidence / "pipeline.json"),
+    ]
     subprocess.run(attach, cwd=ROOT, check=True, capture_output=True, timeout=120)
     attached = json.loads((out / "bench.json").read_text())
     assert attached["runs"] == report["runs"] and {"gateway", "pipeline"} <= attached.keys()
@@ -81,8 +95,13 @@ def test_quick_bench_reports_every_system_and_proves_sessions_never_mix(tmp_path
     assert all(f"| {system} | {row['concurrency']} |" in readme for system, rows in gateway.items() for row in rows)
     assert "## Pipeline: server-side generation, scale-out, latency tolerance" in readme
     missing = out / "absent.json"
-    subprocess.run([*attach[:-4], "--gateway", str(missing), "--pipeline", str(missing)], cwd=ROOT, check=True,
-                   capture_output=True, timeout=120)  # fmt: skip
+    subprocess.run(
+        [*attach[:-4], "--gateway", str(missing), "--pipeline", str(missing)],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     assert "## OpenAI gateway" not in (out / "README.md").read_text()
     assert "gateway" not in json.loads((out / "bench.json").read_text())
 
@@ -96,8 +115,13 @@ def test_bench_reports_a_crashed_node_and_still_writes_the_rest(tmp_path: Path) 
     )
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "FAILED: crashed: " in proc.stderr
-    assert {p.name for p in out.iterdir()} >= {"README.md", "bench.json", "throughput.png", "latency.png",
-                                               "telemetry.png"}  # fmt: skip
+    assert {p.name for p in out.iterdir()} >= {
+        "README.md",
+        "bench.json",
+        "throughput.png",
+        "latency.png",
+        "telemetry.png",
+    }
     report = json.loads((out / "bench.json").read_text())
 
     crashes = {c["name"]: c for c in report["crashes"]}

@@ -107,15 +107,25 @@ def _typed(sent: dict[str, Any]) -> wire.Request:
     """The request a head forwarded, as the head holds it (only what the reply check reads)."""
     if sent["op"] == "open":
         return wire.Open(int(sent["rid"]), str(sent["session"]), int(sent["max_tokens"]))
-    return wire.Step(int(sent["rid"]), str(sent["session"]), sent["pos"], sent["n"], "hidden", sent["out"],
-                     sent["out_dtype"])  # fmt: skip
+    return wire.Step(
+        int(sent["rid"]), str(sent["session"]), sent["pos"], sent["n"], "hidden", sent["out"], sent["out_dtype"]
+    )
 
 
 @pytest.mark.parametrize("out", ["token", "logits"])
 @pytest.mark.parametrize("kind", sorted(STEP_REPLIES))
 def test_every_fake_stage_step_reply_becomes_downstream(kind: str, out: str) -> None:
-    sent = {"op": "step", "rid": 41, "session": "s", "pos": 3, "n": 4, "input": "hidden", "dtype": "f32", "out": out,
-            "out_dtype": "f32"}  # fmt: skip
+    sent = {
+        "op": "step",
+        "rid": 41,
+        "session": "s",
+        "pos": 3,
+        "n": 4,
+        "input": "hidden",
+        "dtype": "f32",
+        "out": out,
+        "out_dtype": "f32",
+    }
     assert _reply_outcome(sent, STEP_REPLIES[kind](sent, N_VOCAB, N_EMBD)) == "downstream"
 
 
@@ -136,8 +146,14 @@ def test_the_fake_stage_opens_every_other_session_validly() -> None:
 
 def test_quick_chaos_run_passes_every_criterion_and_stops_everything(tmp_path: Path) -> None:
     out = tmp_path / "chaos.json"
-    proc = subprocess.run([sys.executable, "-m", "bench.chaos", "quick", "--out", str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.chaos", "quick", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report = json.loads(out.read_text())
     assert report["passed"] and report["failures"] == [] and report["crashes"] == []

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import FrozenInstanceError, replace
 from pathlib import Path
 from typing import Any
 
@@ -17,19 +17,24 @@ from engine.config import EngineConfig
 from engine.engine import Engine, open_engine
 from engine.kernels import INVARIANT_PAD_ROWS
 from engine.messages import (
+    CloseAnswered,
     Closed,
     CloseRequest,
     DropOwner,
-    Failure,
+    EndReason,
     Opened,
     OpenRequest,
     Output,
     Result,
     Rollback,
+    SessionEnd,
+    SessionEnded,
     StepDone,
     StepRequest,
 )
-from protocol.errors import ErrorCode
+from engine.session_ends import SESSION_ENDS_BUFFER
+from engine.statistics import wire_stats
+from protocol.errors import ErrorCode, Fault
 from protocol.sampling import Sampling
 from tests.held import held_decodes, wait_until
 
@@ -143,8 +148,8 @@ async def test_flood_gets_busy_and_stays_bounded(tiny_model: Path) -> None:
                 assert stats["queue_bytes"] <= cfg.queue_budget_bytes
                 assert engine._inbox.statistics().current_buffer_used <= cfg.inbox_size
                 await trio.sleep(0)
-        immediate = [r for r in replies if isinstance(r, Failure) and "inbox is full" in r.message]
-        busy = [f for f in replies if isinstance(f, Failure) and f.code == "busy"]
+        immediate = [r for r in replies if isinstance(r, Fault) and "inbox is full" in r.message]
+        busy = [f for f in replies if isinstance(f, Fault) and f.code == "busy"]
         done = [r for r in replies if isinstance(r, StepDone)]
         assert immediate and all(f.code == "busy" and f.retry_after_ms for f in immediate)
         assert busy and done
@@ -158,7 +163,7 @@ async def test_waiting_open_is_admitted_when_capacity_frees(tiny_model: Path) ->
     async with open_engine(config(tiny_model, max_sessions=1)) as engine:
         assert isinstance(await engine.request(OpenRequest("c", "a", 100)), Opened)
         quick = await engine.request(OpenRequest("c", "b", 100, wait_ms=30))
-        assert isinstance(quick, Failure) and quick.code == "session_limit" and quick.retry_after_ms
+        assert isinstance(quick, Fault) and quick.code == "session_limit" and quick.retry_after_ms
         got: list[Result] = []
 
         async def waiter() -> None:
@@ -176,11 +181,27 @@ async def test_waiting_open_is_admitted_when_capacity_frees(tiny_model: Path) ->
 async def test_kv_budget_rejection_and_reservation(tiny_model: Path) -> None:
     async with open_engine(config(tiny_model, kv_cells=512)) as engine:
         assert engine.stats()["kv_cells_total"] == 512
-        assert isinstance(await engine.request(OpenRequest("c", "a", 400)), Opened)
+        opened = await engine.request(OpenRequest("c", "a", 400))
+        assert isinstance(opened, Opened) and opened.max_tokens == 400
         r = await engine.request(OpenRequest("c", "b", 200))
-        assert isinstance(r, Failure) and r.code == "kv_budget" and "112 of 512 free" in r.message
+        assert isinstance(r, Fault) and r.code == "kv_budget" and "112 of 512 free" in r.message
+        assert r.retry_after_ms is not None  # not now: it fits once "a" closes
         stats = engine.stats()
         assert stats["kv_cells_reserved"] == 400 and stats["kv_pressure"] == pytest.approx(400 / 512)
+
+
+async def test_an_open_that_can_never_fit_is_too_large_not_kv_budget(tiny_model: Path) -> None:
+    """More than the node's KV cells (a sequence may have all of them, no more) never fits: no retry."""
+    async with open_engine(config(tiny_model, kv_cells=512)) as engine:
+        for max_tokens in (513, 100_000):
+            r = await engine.request(OpenRequest("c", "huge", max_tokens, wait_ms=1000))
+            assert isinstance(r, Fault) and r.code is ErrorCode.TOO_LARGE and r.retry_after_ms is None, r
+            assert "512 KV cells" in r.message
+        assert isinstance(await engine.request(OpenRequest("c", "all", 512)), Opened)  # the whole cache fits
+        empty = await engine.request(OpenRequest("c", "x", 0))
+        assert isinstance(empty, Fault) and empty.code is ErrorCode.BAD_REQUEST
+        stats = engine.stats()
+        assert stats["errors_total"]["too_large"] == 2 and stats["sessions_waiting"] == 0
 
 
 async def test_cancelled_request_frees_its_session(tiny_model: Path) -> None:
@@ -204,7 +225,7 @@ async def test_sessions_belong_to_their_owner_and_drop_owner_frees_them(tiny_mod
     async with open_engine(config(tiny_model)) as engine:
         await engine.request(OpenRequest("alice", "s", 50))
         r = await engine.request(StepRequest("bob", "s", 0, Output.TOKEN, tokens=tokens([1, 5])))
-        assert isinstance(r, Failure) and r.code == "unknown_session"
+        assert isinstance(r, Fault) and r.code == "unknown_session"
         closed = await engine.request(CloseRequest("bob", "s"))
         assert closed.existed is False  # type: ignore[union-attr]
         assert isinstance(await engine.request(OpenRequest("bob", "s", 50)), Opened)  # same id, other owner
@@ -217,7 +238,7 @@ async def test_step_errors_are_answered_and_change_nothing(tiny_model: Path) -> 
     async with open_engine(config(tiny_model, max_step_tokens=32)) as engine:
         await engine.request(OpenRequest("c", "s", 20))
         first = await engine.request(StepRequest("c", "s", 0, Output.LOGITS, tokens=tokens([1, 5, 6])))
-        assert isinstance(first, StepDone)
+        assert isinstance(first, StepDone) and (first.length, first.max_tokens) == (3, 20)  # nothing to ask after
         cases = [
             (StepRequest("c", "s", 5, Output.TOKEN, tokens=tokens([5])), "position"),
             (StepRequest("c", "s", 3, Output.TOKEN, tokens=tokens([5] * 33)), "too_large"),
@@ -229,7 +250,7 @@ async def test_step_errors_are_answered_and_change_nothing(tiny_model: Path) -> 
         ]
         for request, code in cases:
             r = await engine.request(request)
-            assert isinstance(r, Failure) and r.code == code, (request, r)
+            assert isinstance(r, Fault) and r.code == code, (request, r)
         # Retrying the first step (a rewind to 0) is idempotent.
         again = await engine.request(StepRequest("c", "s", 0, Output.LOGITS, tokens=tokens([1, 5, 6])))
         assert isinstance(again, StepDone) and again.logits is not None and first.logits is not None
@@ -251,7 +272,7 @@ async def test_shutdown_drains_in_flight_work_and_refuses_new(tiny_model: Path) 
                 await trio.sleep(0)
             engine.begin_shutdown()
             refused = await engine.request(OpenRequest("c", "t", 10))
-            assert isinstance(refused, Failure) and refused.code == "shutting_down"
+            assert isinstance(refused, Fault) and refused.code == "shutting_down"
     assert len(results) == 1 and isinstance(results[0], StepDone)
 
 
@@ -289,9 +310,9 @@ async def test_cleanups_are_taken_when_the_inbox_is_full_and_while_draining(tiny
             assert engine.cleanup_nowait(Rollback("c", "s0", 2)) is done
             engine.cleanup_nowait(CloseRequest("c", "s1"))
             await done.wait()
-        assert any(isinstance(r, Failure) and "inbox is full" in r.message for r in refusals)
+        assert any(isinstance(r, Fault) and "inbox is full" in r.message for r in refusals)
         gap = await engine.request(StepRequest("c", "s0", 2, Output.TOKEN, tokens=tokens([5])))
-        assert isinstance(gap, Failure) and gap.code == "position"  # rolled back to 1
+        assert isinstance(gap, Fault) and gap.code == "position"  # rolled back to 1
         assert engine.stats()["sessions_active"] == 2 and engine.stats()["cleanups_total"] == 3
         engine.begin_shutdown()
         await engine.cleanup(DropOwner("c"))
@@ -311,21 +332,23 @@ async def test_an_owner_past_its_share_of_the_inbox_is_busy_while_others_are_tak
         other: list[Result] = []
         with held_decodes(engine) as (entered, release):
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(_append, flood, engine.request(StepRequest("a", "s", 0, Output.TOKEN,
-                                                                              tokens=tokens([1, 5]))))  # fmt: skip
+                nursery.start_soon(
+                    _append, flood, engine.request(StepRequest("a", "s", 0, Output.TOKEN, tokens=tokens([1, 5])))
+                )
                 await wait_until(entered.is_set)
                 for i in range(5):  # the loop is inside llama_decode: the inbox is not drained meanwhile
                     step = StepRequest("a", f"x{i}", 0, Output.TOKEN, tokens=tokens([1]))
                     nursery.start_soon(_append, flood, engine.request(step))
                 await wait_until(lambda: len(flood) >= 2)
-                nursery.start_soon(_append, other, engine.request(StepRequest("b", "s", 0, Output.TOKEN,
-                                                                              tokens=tokens([1, 5]))))  # fmt: skip
+                nursery.start_soon(
+                    _append, other, engine.request(StepRequest("b", "s", 0, Output.TOKEN, tokens=tokens([1, 5])))
+                )
                 await trio.sleep(0.05)
                 assert not other, "another owner's step was answered while the loop was held"
                 release.set()
-        busy = [r for r in flood if isinstance(r, Failure) and r.code == "busy"]
+        busy = [r for r in flood if isinstance(r, Fault) and r.code == "busy"]
         assert len(busy) == 2 and all("quota of 3 requests" in f.message and f.retry_after_ms for f in busy)
-        codes = sorted(r.code for r in flood if isinstance(r, Failure) and r.code != "busy")
+        codes = sorted(r.code for r in flood if isinstance(r, Fault) and r.code != "busy")
         assert codes == ["unknown_session"] * 3 and sum(isinstance(r, StepDone) for r in flood) == 1
         assert len(other) == 1 and isinstance(other[0], StepDone)
         stats = engine.stats()
@@ -343,8 +366,9 @@ async def test_closes_are_never_refused_and_duplicates_merge(tiny_model: Path) -
         refused: list[Result] = []
         with held_decodes(engine) as (entered, release):
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(_append, results, engine.request(StepRequest("c", "s0", 0, Output.TOKEN,
-                                                                                tokens=tokens([1, 5]))))  # fmt: skip
+                nursery.start_soon(
+                    _append, results, engine.request(StepRequest("c", "s0", 0, Output.TOKEN, tokens=tokens([1, 5])))
+                )
                 await wait_until(entered.is_set)
                 for i in range(3):  # the inbox holds one: the others are refused
                     nursery.start_soon(_append, refused, engine.request(OpenRequest(f"z{i}", "x", 10)))
@@ -354,11 +378,110 @@ async def test_closes_are_never_refused_and_duplicates_merge(tiny_model: Path) -
                 await trio.sleep(0.05)
                 assert engine.stats()["cleanups_pending"] == 2  # three closes of s1 are one
                 release.set()
-        assert [r.code for r in refused if isinstance(r, Failure)] == ["busy", "busy"]
+        assert [r.code for r in refused if isinstance(r, Fault)] == ["busy", "busy"]
         closed = [r for r in results if isinstance(r, Closed)]
-        assert sorted((c.session, c.existed) for c in closed) == [("nope", False), ("s1", False), ("s1", False),
-                                                                  ("s1", True)]  # fmt: skip
+        assert sorted((c.session, c.existed) for c in closed) == [
+            ("nope", False),
+            ("s1", False),
+            ("s1", False),
+            ("s1", True),
+        ]
         assert engine.stats()["sessions_active"] == 2  # s0, and the session of the open that was queued
+
+
+async def _drain(channel: trio.MemoryReceiveChannel[SessionEnd], into: list[SessionEnd]) -> None:
+    async for end in channel:
+        into.append(end)
+
+
+async def test_every_freed_session_ends_once_on_the_channel(tiny_model: Path) -> None:
+    """Whatever frees a session (close, failed rollback, gone connection, gone requester,
+    shutdown), its end reaches the one consumer once; every close is answered there too."""
+    ends: list[SessionEnd] = []
+    async with trio.open_nursery() as nursery, open_engine(config(tiny_model)) as engine:
+        nursery.start_soon(_drain, engine.session_ends, ends)
+        for owner, name in (("a", "closed"), ("a", "rolled"), ("b", "g1"), ("b", "g2"), ("a", "kept")):
+            assert isinstance(await engine.request(OpenRequest(owner, name, 50)), Opened)
+        assert await engine.request(CloseRequest("a", "closed")) == Closed("closed", True)
+        assert await engine.request(CloseRequest("a", "nope")) == Closed("nope", False)
+        await engine.cleanup(Rollback("a", "rolled", 5))  # past its length (0): cannot go back there
+        await engine.cleanup(DropOwner("b"))
+        with held_decodes(engine) as (entered, release):  # the requester leaves before its answer
+            nursery.start_soon(engine.request, StepRequest("a", "kept", 0, Output.TOKEN, tokens=tokens([1])))
+            await wait_until(entered.is_set)
+            async with trio.open_nursery() as requesters:
+                requesters.start_soon(engine.request, OpenRequest("a", "left", 50))
+                await wait_until(lambda: engine._inbox.statistics().current_buffer_used == 1)
+                requesters.cancel_scope.cancel()
+            release.set()  # the open that nobody waits for any more is taken: what it opened is freed
+        await wait_until(lambda: len(ends) >= 7)
+    assert ends == [
+        SessionEnded("a", "closed", EndReason.CLOSED),
+        CloseAnswered("a", "closed", True),
+        CloseAnswered("a", "nope", False),
+        SessionEnded("a", "rolled", EndReason.ROLLBACK_FAILED),
+        SessionEnded("b", "g1", EndReason.OWNER_GONE),
+        SessionEnded("b", "g2", EndReason.OWNER_GONE),
+        SessionEnded("a", "left", EndReason.REQUESTER_GONE),
+        SessionEnded("a", "kept", EndReason.SHUTDOWN),  # the channel ends after the engine stops
+    ]
+
+
+async def test_a_slow_consumer_of_session_ends_slows_the_engine_and_loses_nothing(tiny_model: Path) -> None:
+    """The channel holds SESSION_ENDS_BUFFER ends; past that the engine waits for its consumer
+    (at a safe point of its loop) instead of dropping any."""
+    ends: list[SessionEnd] = []
+    opened: list[int] = []
+    go = trio.Event()
+
+    async def consume(channel: trio.MemoryReceiveChannel[SessionEnd]) -> None:
+        await go.wait()
+        await _drain(channel, ends)
+
+    async def churn(engine: Engine, n: int) -> None:
+        for i in range(n):
+            assert isinstance(await engine.request(OpenRequest("c", f"s{i}", 10)), Opened)
+            opened.append(i)
+            engine.cleanup_nowait(CloseRequest("c", f"s{i}"))  # each: a SessionEnded and a CloseAnswered
+
+    n = SESSION_ENDS_BUFFER  # twice the buffer's worth of ends
+    async with trio.open_nursery() as nursery, open_engine(config(tiny_model)) as engine:
+        channel = engine.session_ends
+        nursery.start_soon(consume, channel)
+        async with trio.open_nursery() as producers:
+            producers.start_soon(churn, engine, n)
+            await wait_until(
+                lambda: (
+                    channel.statistics().current_buffer_used == SESSION_ENDS_BUFFER
+                    and engine._ends.backlog > 0  # ends it could not hand over yet: it waits for room...
+                    and engine._inbox.statistics().current_buffer_used == 1
+                )  # ... and takes no request meanwhile
+            )
+            assert len(opened) < n
+            go.set()
+        await engine.cleanup(CloseRequest("c", "last"))
+        await wait_until(lambda: len(ends) == 2 * n + 1)
+    expected: list[SessionEnd] = []
+    for i in range(n):
+        expected += [SessionEnded("c", f"s{i}", EndReason.CLOSED), CloseAnswered("c", f"s{i}", True)]
+    assert ends == [*expected, CloseAnswered("c", "last", False)]
+
+
+async def test_statistics_are_frozen_and_stats_is_their_flat_form(tiny_model: Path) -> None:
+    async with open_engine(config(tiny_model)) as engine:
+        await generate(engine, "s", prompt(1, 5), 3)
+        statistics = engine.statistics()
+        with pytest.raises(FrozenInstanceError):
+            statistics.kv.cells_used = 1  # type: ignore[misc]
+        with pytest.raises(TypeError):
+            statistics.errors_total["busy"] = 1  # type: ignore[index]
+
+        def steady(stats: dict[str, Any]) -> dict[str, Any]:  # rates move with the clock between two reads
+            return {k: v for k, v in stats.items() if not k.endswith("_per_s")}
+
+        assert steady(engine.stats()) == steady(wire_stats(statistics))
+        assert statistics.batches.decode_tokens_total == engine.stats()["decode_tokens_total"] == 3
+        assert statistics.sessions.admissions_total == 1 and statistics.queue.cleanups_total == 1
 
 
 async def test_a_gone_owner_s_waiting_open_is_answered(tiny_model: Path) -> None:
@@ -370,7 +493,7 @@ async def test_a_gone_owner_s_waiting_open_is_answered(tiny_model: Path) -> None
             await wait_until(lambda: engine.stats()["sessions_waiting"] > 0)
             await engine.cleanup(DropOwner("x"))
             await wait_until(lambda: bool(answer))  # answered (within 10 s), not left hanging
-        assert isinstance(answer[0], Failure) and answer[0].code == "unknown_session"
+        assert isinstance(answer[0], Fault) and answer[0].code == "unknown_session"
         assert engine.stats()["sessions_waiting"] == 0 and engine.stats()["sessions_active"] == 1
 
 
@@ -441,8 +564,16 @@ async def invariant_traces(
     # Flash attention on: its kernel walks KV cells one by one, so where a session's cells sit
     # in the shared cache does not change its sums (the non-FA softmax sums across cells in SIMD
     # groups and differs at 1e-6 with the layout).
-    cfg = config(model, batch_invariant=True, pad_rows=pad_rows, max_prefill_tokens=max_prefill, flash_attn=True,
-                 n_batch=n_batch, n_ubatch=min(n_batch, 256), kernels=kernels)  # fmt: skip
+    cfg = config(
+        model,
+        batch_invariant=True,
+        pad_rows=pad_rows,
+        max_prefill_tokens=max_prefill,
+        flash_attn=True,
+        n_batch=n_batch,
+        n_ubatch=min(n_batch, 256),
+        kernels=kernels,
+    )
 
     async def trace(engine: Engine, name: str, ids: list[int], steps: int = 20) -> list[np.ndarray]:
         await engine.request(OpenRequest("c", name, 200))
@@ -613,7 +744,7 @@ async def test_a_step_that_finds_no_kv_slot_alone_is_busy_and_changes_nothing(ti
         real = engine.backend.decode
         no_kv_slot_for(engine, lambda _segments: True)
         refused = await engine.request(StepRequest("c", "s", 6, Output.TOKEN, tokens=tokens([5])))
-        assert isinstance(refused, Failure) and refused.code == ErrorCode.BUSY and refused.retry_after_ms
+        assert isinstance(refused, Fault) and refused.code == ErrorCode.BUSY and refused.retry_after_ms
         engine.backend.decode = real  # type: ignore[method-assign]
         again = await engine.request(StepRequest("c", "s", 6, Output.TOKEN, tokens=tokens([5])))
         assert isinstance(again, StepDone) and engine.stats()["kv_cells_used"] == 7

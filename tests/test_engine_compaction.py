@@ -16,9 +16,10 @@ import trio
 
 from engine.engine import Engine, open_engine
 from engine.llama_handles import SeqState
-from engine.messages import CloseRequest, Failure, Opened, OpenRequest, Output, StepDone, StepRequest
+from engine.messages import CloseRequest, Opened, OpenRequest, Output, StepDone, StepRequest
 from engine.scheduler import Scheduler
-from protocol.errors import ErrorCode
+from engine.sessions import Sessions
+from protocol.errors import ErrorCode, Fault
 from tests.test_engine import config, prompt, tokens
 
 # 256 cells (248 to reserve beside 8 padding rows); no compaction unless an open needs one.
@@ -30,7 +31,7 @@ A = ("a", prompt(7, 30), 60, 100)  # name, prompt, steps, max_tokens
 BS = [(f"b{i}", prompt(100 + i, 6 + 4 * (i % 4)), 18, 40) for i in range(12)]  # two lanes of six
 
 
-Trace = list[np.ndarray] | Failure  # a session's logits, or the refusal of its open
+Trace = list[np.ndarray] | Fault  # a session's logits, or the refusal of its open
 
 
 async def trace(
@@ -46,7 +47,7 @@ async def trace(
     is set once open; `pause` is waited for before the last two steps (idle time changes
     nothing in a session's outputs)."""
     answer = await engine.request(OpenRequest("c", name, max_tokens))
-    if isinstance(answer, Failure):
+    if isinstance(answer, Fault):
         return answer
     assert isinstance(answer, Opened)
     if opened is not None:
@@ -63,9 +64,9 @@ async def trace(
     return out
 
 
-async def step(engine: Engine, name: str, pos: int, token: int) -> StepDone | Failure:
+async def step(engine: Engine, name: str, pos: int, token: int) -> StepDone | Fault:
     r = await engine.request(StepRequest("c", name, pos, Output.LOGITS, tokens=tokens([token])))
-    assert isinstance(r, StepDone | Failure)
+    assert isinstance(r, StepDone | Fault)
     return r
 
 
@@ -107,7 +108,7 @@ async def test_cells_of_closed_sessions_are_reused_bit_exactly(model: str, reque
     async with open_engine(config(path, **CHURN)) as engine:
         together = await churn(engine)
         stats = engine.stats()
-    refused = {name: r for name, r in together.items() if isinstance(r, Failure)}
+    refused = {name: r for name, r in together.items() if isinstance(r, Fault)}
     assert not refused, f"opens refused: {refused}"
     for name, logits in alone.items():
         assert isinstance(logits, list)
@@ -129,7 +130,7 @@ async def test_without_compaction_the_same_churn_is_refused_kv_budget(
     async with open_engine(config(tiny_model, **CHURN)) as engine:
         together = await churn(engine)
         stats = engine.stats()
-    refused = [r for r in together.values() if isinstance(r, Failure)]
+    refused = [r for r in together.values() if isinstance(r, Fault)]
     assert refused and all(r.code is ErrorCode.KV_BUDGET for r in refused)
     assert stats["kv_compactions_total"] == 0 and stats["admissions_rejected_total"] == {"kv_budget": len(refused)}
 
@@ -178,7 +179,7 @@ async def test_a_session_whose_cells_cannot_be_put_back_is_closed_and_counted(
         monkeypatch.setattr(engine.backend.ctx, "set_seq_state", truncated)
         assert isinstance(await engine.request(OpenRequest("c", "d", 80)), Opened)  # 88 free once compacted
         lost = await step(engine, "v", 10, 3)
-        assert isinstance(lost, Failure) and lost.code is ErrorCode.UNKNOWN_SESSION
+        assert isinstance(lost, Fault) and lost.code is ErrorCode.UNKNOWN_SESSION
         await a_steps(4)
         stats = engine.stats()
     assert stats["kv_sessions_lost_total"] == 1 and stats["kv_compactions_total"] == 1
@@ -231,7 +232,7 @@ async def test_a_rewound_tail_is_held_not_freed_among_other_sessions(
             assert isinstance(r, StepDone) and r.logits is not None
             b_alone.append(r.logits)
     if not hold:
-        monkeypatch.setattr(Engine, "_rewind", lambda self, seq, pos: self.backend.rewind(seq, pos))
+        monkeypatch.setattr(Sessions, "rewind", lambda self, seq, pos: self.backend.rewind(seq, pos))
     async with open_engine(config(tiny_model, **CHURN)) as engine:
         a_shared, b_shared = await run(engine, with_b=True)
     assert all(np.array_equal(x, y) for x, y in zip(b_shared, b_alone, strict=True))
@@ -285,7 +286,7 @@ async def test_a_compaction_that_cannot_copy_a_session_changes_nothing(
         taken = engine.backend.ctx.seq_state
         monkeypatch.setattr(engine.backend.ctx, "seq_state", lambda seq: (SeqState.SHORT, taken(seq)[1]))
         refused = await engine.request(OpenRequest("c", "d", 120))  # 248 - 100 - 40 < 120
-        assert isinstance(refused, Failure) and refused.code is ErrorCode.KV_BUDGET
+        assert isinstance(refused, Fault) and refused.code is ErrorCode.KV_BUDGET
         stats = engine.stats()
         assert stats["kv_compactions_failed_total"] == 1 and stats["kv_compactions_total"] == 0
         assert stats["kv_cells_held"] == 40 and engine.scheduler.wants_compaction() is False

@@ -74,8 +74,18 @@ async def test_a_connection_past_its_queue_share_is_busy_and_another_is_served(t
                     nursery.start_soon(step, "v1")
                     await wait_until(entered.is_set)  # nothing leaves the engine's queue meanwhile
                     for rid in range(1, 6):
-                        attacker.send({"op": "step", "rid": rid, "session": f"x{rid}", "pos": 0, "n": 1,
-                                       "input": "tokens", "out": "token"}, int32([1]))  # fmt: skip
+                        attacker.send(
+                            {
+                                "op": "step",
+                                "rid": rid,
+                                "session": f"x{rid}",
+                                "pos": 0,
+                                "n": 1,
+                                "input": "tokens",
+                                "out": "token",
+                            },
+                            int32([1]),
+                        )
                     refused = [await attacker.recv() for _ in range(3)]  # at once, while the engine is held
                     nursery.start_soon(step, "v2")  # the victim's second step is queued, not refused
                     await wait_until(lambda: node.pool.active == 4)  # v1's, v2's and the two queued ones
@@ -83,8 +93,9 @@ async def test_a_connection_past_its_queue_share_is_busy_and_another_is_served(t
                     late = [await attacker.recv() for _ in range(2)]
         finally:
             attacker.close()
-        assert all(h["code"] == "busy" and "quota of 2 requests" in h["message"] and h["retry_after_ms"]
-                   for h, _ in refused)  # fmt: skip
+        assert all(
+            h["code"] == "busy" and "quota of 2 requests" in h["message"] and h["retry_after_ms"] for h, _ in refused
+        )
         assert [h["code"] for h, _ in late] == ["unknown_session"] * 2
         assert len(results) == 2 and all(t is not None for t in results)
         stats = await victim.stats()
@@ -122,8 +133,18 @@ async def test_a_flood_during_a_long_decode_leaves_another_connection_its_room(t
                         if flood == "close":
                             attacker.send({"op": "close", "rid": rid, "session": "mine" if rid % 7 else f"g{rid}"})
                         else:
-                            attacker.send({"op": "step", "rid": rid, "session": f"x{rid}", "pos": 0, "n": 1,
-                                           "input": "tokens", "out": "token"}, int32([1]))  # fmt: skip
+                            attacker.send(
+                                {
+                                    "op": "step",
+                                    "rid": rid,
+                                    "session": f"x{rid}",
+                                    "pos": 0,
+                                    "n": 1,
+                                    "input": "tokens",
+                                    "out": "token",
+                                },
+                                int32([1]),
+                            )
                     attacker.send({"op": "ping", "rid": 602})
                     replies = [(await attacker.recv())[0]]
                     while replies[-1]["op"] != "pong":  # the node has read the whole flood

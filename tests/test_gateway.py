@@ -99,8 +99,10 @@ def test_stop_text_flush_releases_what_was_held() -> None:
 
 
 def test_chat_template_renders_with_llama_cpp_globals_and_splits_special_tokens() -> None:
-    source = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
-              "{% if add_generation_prompt %}<|assistant|>{% endif %}")  # fmt: skip
+    source = (
+        "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
     specials = SpecialTokens({"<s>": 1, "<|user|>": 5, "<|end|>": 6, "<|assistant|>": 7}, "<s>", "</s>", 1, True)
     text = ChatTemplate(source, specials).render([{"role": "user", "content": "hi <|end"}])
     assert text == "<s><|user|>hi <|end<|end|><|assistant|>"
@@ -133,8 +135,14 @@ async def test_greedy_completions_equal_the_nodes_own_generate(node: str) -> Non
         assert (full.usage.prompt_tokens, full.usage.completion_tokens) == (prompt_tokens, made)
         assert full.choices[0].finish_reason == ("length" if made == 24 else "stop")
 
-        stream = await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True})  # fmt: skip
+        stream = await client.completions.create(
+            model="tiny",
+            prompt=PROMPT,
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         pieces, reasons, usage = [], [], None
         async for chunk in stream:
             if chunk.choices:
@@ -155,8 +163,9 @@ async def test_sync_client_chat_streamed_and_not_equal_the_node_on_the_rendered_
         def chat() -> tuple[str, str, int]:
             client = openai.OpenAI(base_url=base, api_key="none")
             full = client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0)
-            parts = client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0,
-                                                   stream=True)  # fmt: skip
+            parts = client.chat.completions.create(
+                model="tiny", messages=messages, max_tokens=16, temperature=0, stream=True
+            )
             streamed = "".join(c.choices[0].delta.content or "" for c in parts if c.choices)
             assert full.usage is not None
             return full.choices[0].message.content or "", streamed, full.usage.prompt_tokens
@@ -182,9 +191,16 @@ async def test_stop_strings_cut_the_text_also_across_a_token_boundary(node: str)
 
     def printable_boundary(k: int) -> bool:
         before, after = texts[k], texts[k + 1]
-        return (bool(before) and after.startswith(before) and len(after) > len(before)
-                and before[-1].isprintable() and before[-1] != "\ufffd" and after[len(before)].isprintable()
-                and after[len(before)] != "\ufffd" and "\ufffd" not in after[len(before):])  # fmt: skip
+        return (
+            bool(before)
+            and after.startswith(before)
+            and len(after) > len(before)
+            and before[-1].isprintable()
+            and before[-1] != "\ufffd"
+            and after[len(before)].isprintable()
+            and after[len(before)] != "\ufffd"
+            and "\ufffd" not in after[len(before) :]
+        )
 
     # The stop string is the last character of token k's text and the first of token k+1's:
     # neither token alone holds it.
@@ -195,8 +211,13 @@ async def test_stop_strings_cut_the_text_also_across_a_token_boundary(node: str)
     async with gateway(node) as base:
         client2 = openai.AsyncOpenAI(base_url=base, api_key="none")
         for stream in (False, True):
-            body: dict[str, Any] = {"model": "tiny", "prompt": prompt, "max_tokens": 24, "temperature": 0,
-                                    "stop": ["never-in-this-text", stop]}  # fmt: skip
+            body: dict[str, Any] = {
+                "model": "tiny",
+                "prompt": prompt,
+                "max_tokens": 24,
+                "temperature": 0,
+                "stop": ["never-in-this-text", stop],
+            }
             if stream:
                 chunks = await client2.completions.create(**body, stream=True)
                 got, reason = "", None

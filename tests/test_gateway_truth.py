@@ -240,8 +240,9 @@ async def test_the_plain_chat_form_stops_at_the_next_turn(parrot_node: str) -> N
     messages = [{"role": "user", "content": "hi"}]
     async with gateway(parrot_node) as base, httpx.AsyncClient(base_url=base) as http:
         # The same prompt as a completion: the model does write the next turn itself.
-        raw = await http.post("/completions", json={**TINY, "prompt": "user: hi\nassistant:", "max_tokens": 12,
-                                                    "temperature": 0})  # fmt: skip
+        raw = await http.post(
+            "/completions", json={**TINY, "prompt": "user: hi\nassistant:", "max_tokens": 12, "temperature": 0}
+        )
         assert raw.json()["choices"][0]["text"] == "hi\nuser: hi"  # an answer's first space is dropped
         body: dict[str, Any] = {**TINY, "messages": messages, "max_tokens": 12, "temperature": 0}
         full = (await http.post("/chat/completions", json=body)).json()

@@ -96,8 +96,9 @@ async def generating(node: Node, **fields: Any) -> AsyncIterator[tuple[RawPeer, 
         peer.send({"op": "open", "rid": 1, "session": "s", "max_tokens": 40})
         assert (await peer.recv())[0]["op"] == "opened"
         with held_decodes(node.engine) as (entered, release):
-            peer.send({"op": "generate", "rid": 2, "session": "s", "pos": 0, "n": 8, "max_new": 30, **fields},
-                      int32(IDS))  # fmt: skip
+            peer.send(
+                {"op": "generate", "rid": 2, "session": "s", "pos": 0, "n": 8, "max_new": 30, **fields}, int32(IDS)
+            )
             await wait_until(entered.is_set)
             yield peer, release
     finally:
@@ -188,8 +189,15 @@ async def test_cancel_ends_the_run_at_the_next_token(tiny_model: Path) -> None:
         (gen, tokens), (done, _), (cancelled, _) = replies
         assert gen["op"] == "generated" and gen["rid"] == 2 and gen["pos"] == 8 and gen["session"] == "s"
         assert np.frombuffer(tokens[0], "<i4").tolist() == expected[:1]
-        assert done == {"v": 1, "op": "done", "rid": 2, "session": "s", "reason": "cancelled", "generated": 1,
-                        "length": 8}  # fmt: skip
+        assert done == {
+            "v": 1,
+            "op": "done",
+            "rid": 2,
+            "session": "s",
+            "reason": "cancelled",
+            "generated": 1,
+            "length": 8,
+        }
         assert cancelled == {"v": 1, "op": "cancelled", "rid": 3, "session": "s", "length": 8}
 
 
@@ -262,8 +270,10 @@ async def test_a_vanished_reader_ends_the_run_and_frees_the_session(tiny_model: 
         peer = RawPeer(node.address)
         peer.send({"op": "open", "rid": 1, "session": "gone", "max_tokens": 1000})
         assert (await peer.recv())[0]["op"] == "opened"
-        peer.send({"op": "generate", "rid": 2, "session": "gone", "pos": 0, "n": 8, "max_new": 900,
-                   "ignore_eog": True}, int32(IDS))  # fmt: skip
+        peer.send(
+            {"op": "generate", "rid": 2, "session": "gone", "pos": 0, "n": 8, "max_new": 900, "ignore_eog": True},
+            int32(IDS),
+        )
         assert (await peer.recv())[0]["op"] == "generated"
         peer.close()  # vanish mid-run
         await wait_until(lambda: not node.generations.runs and not node.engine.scheduler.sessions)

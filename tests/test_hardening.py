@@ -234,8 +234,7 @@ def test_garbage_from_the_next_stage_is_downstream_not_a_stopped_node(tiny_shard
         assert opened["op"] == "opened" and opened["stage"]["layers"] == [0, 4]
 
         def step_answered_with(make: Any) -> dict[str, Any]:
-            client.send("step", np.array([1, 5], "<i4").tobytes(), session="s", pos=0, n=2, input="tokens",
-                        out="token")  # fmt: skip
+            client.send("step", np.array([1, 5], "<i4").tobytes(), session="s", pos=0, n=2, input="tokens", out="token")
             peer, req = forwarded(fake_next)
             while req["op"] != "step":  # a failed step closed the session there: it is opened again
                 assert req["op"] in ("close", "open"), req
@@ -298,8 +297,9 @@ def test_a_peer_that_never_reads_is_cut_off_and_served_again_once_it_drains(tiny
         assert stats["reply_bytes"] == 0, "nothing waits for the hog any more"
         opened, _ = reader.request("open", session="r", max_tokens=16)
         assert opened["op"] == "opened"
-        result, frames = reader.request("step", np.array([1, 5], "<i4").tobytes(), session="r", pos=0, n=2,
-                                        input="tokens", out="logits")  # fmt: skip
+        result, frames = reader.request(
+            "step", np.array([1, 5], "<i4").tobytes(), session="r", pos=0, n=2, input="tokens", out="logits"
+        )
         assert result["op"] == "result" and len(frames[0]) == 4 * opened["stage"]["n_vocab"]
         drained = 0
         while hog.sock.poll(500):
@@ -309,8 +309,9 @@ def test_a_peer_that_never_reads_is_cut_off_and_served_again_once_it_drains(tiny
         assert 0 < drained < asked, "it read what was in flight to it; the rest was dropped"
         opened, _ = hog.request("open", session="s", max_tokens=16)  # served again
         assert opened["op"] == "opened"
-        result, frames = hog.request("step", np.array([1, 5], "<i4").tobytes(), session="s", pos=0, n=2,
-                                     input="tokens", out="logits")  # fmt: skip
+        result, frames = hog.request(
+            "step", np.array([1, 5], "<i4").tobytes(), session="s", pos=0, n=2, input="tokens", out="logits"
+        )
         assert result["op"] == "result" and len(frames[0]) == 4 * opened["stage"]["n_vocab"]
 
 
@@ -393,8 +394,15 @@ def generate_by_steps(peer: Peer, session: str, steps: int) -> int:
     pos, feed = 0, [1, 5, 9, 13]
     for _ in range(steps + 1):
         while True:
-            answer, frames = peer.request("step", np.array(feed, "<i4").tobytes(), session=session, pos=pos,
-                                          n=len(feed), input="tokens", out="token")  # fmt: skip
+            answer, frames = peer.request(
+                "step",
+                np.array(feed, "<i4").tobytes(),
+                session=session,
+                pos=pos,
+                n=len(feed),
+                input="tokens",
+                out="token",
+            )
             if answer["op"] == "result":
                 break
             assert answer["code"] == "busy", answer
@@ -505,15 +513,20 @@ def test_per_connection_quotas_answer_as_documented(tiny_model: Path) -> None:
         assert admitted["rid"] == d_waiting and admitted["op"] == "opened"
         stats = a.request("stats")[0]["stats"]
         assert (stats["max_sessions_per_peer"], stats["max_waiting_per_peer"], stats["max_queued_per_peer"]) == (
-            2, 1, 128)  # fmt: skip
+            2,
+            1,
+            128,
+        )
         assert stats["peer_quota_refused_total"] == {"sessions": 1, "waiting": 1, "queued": 0}
         assert stats["admissions_rejected_total"]["session_limit"] == 2
 
 
 def test_the_default_quotas_let_a_chain_head_use_its_whole_next_stage(tiny_shards2: list[Path]) -> None:
     """A head forwards every session over one connection: the next stage's defaults must not cap it."""
-    with node_process(tiny_shards2[1]) as (tail, ctx), node_process(tiny_shards2[0], "--next", tail.address) as (
-        head, _):  # fmt: skip
+    with (
+        node_process(tiny_shards2[1]) as (tail, ctx),
+        node_process(tiny_shards2[0], "--next", tail.address) as (head, _),
+    ):
         clients = [Peer(ctx, head.address) for _ in range(4)]  # the nodes hold 4 sessions each
         for client in clients:
             assert client.request("open", session="s", max_tokens=16)[0]["op"] == "opened"

@@ -44,8 +44,9 @@ PROBE = textwrap.dedent(
 
 
 def test_the_default_kernel_path_runs_quantized_batches_without_crashing(tiny_quant: Path) -> None:
-    proc = subprocess.run([sys.executable, "-c", PROBE, str(tiny_quant)], capture_output=True, text=True, timeout=120,
-                          check=False)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE, str(tiny_quant)], capture_output=True, text=True, timeout=120, check=False
+    )
     assert proc.returncode == 0, f"probe ended with {proc.returncode}: {proc.stderr[-2000:]}"
     path, buffers = proc.stdout.split(maxsplit=1)
     assert path != KernelPath.AMX.value and AMX_BUFFER not in buffers
@@ -64,8 +65,10 @@ def decode_logits(model: Path, kernels: str) -> tuple[StageBackend, list[np.ndar
     return backend, [r.logits for r in backend.decode(segs) if r.logits is not None]
 
 
-@pytest.mark.skipif(REPACK_BUFFER not in extra_buffer_types() or not cpu_features().avx2,
-                    reason="this llama.cpp build or CPU has no repacked kernels")  # fmt: skip
+@pytest.mark.skipif(
+    REPACK_BUFFER not in extra_buffer_types() or not cpu_features().avx2,
+    reason="this llama.cpp build or CPU has no repacked kernels",
+)
 def test_repack_and_plain_place_weights_differently_and_agree_closely(tiny_quant: Path) -> None:
     repack, fast = decode_logits(tiny_quant, "auto")
     plain, slow = decode_logits(tiny_quant, "plain")

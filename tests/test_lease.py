@@ -171,8 +171,9 @@ async def test_the_link_never_replays_old_work_and_keeps_its_identity() -> None:
                                 continue
                             header = msgpack.unpackb(frames[1])
                             seen.append((frames[0], header["op"]))
-                            router.send_multipart([frames[0], msgpack.packb({"v": 1, "op": "pong",
-                                                                             "rid": header["rid"]})])  # fmt: skip
+                            router.send_multipart(
+                                [frames[0], msgpack.packb({"v": 1, "op": "pong", "rid": header["rid"]})]
+                            )
                             done.set()
                             return
 

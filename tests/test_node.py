@@ -207,14 +207,30 @@ async def test_every_error_code_is_answered(tiny_model: Path, tiny_shards2: list
         node.engine.begin_shutdown()
         await expect("shutting_down", c.open("z", 10))
     # downstream: a chain whose next stage is not there.
-    cfg = NodeConfig(engine_config(tiny_shards2[0]), bind="tcp://127.0.0.1:0",
-                     next=f"tcp://127.0.0.1:{free_ports(1)[0]}", downstream_timeout_s=0.5)  # fmt: skip
+    cfg = NodeConfig(
+        engine_config(tiny_shards2[0]),
+        bind="tcp://127.0.0.1:0",
+        next=f"tcp://127.0.0.1:{free_ports(1)[0]}",
+        downstream_timeout_s=0.5,
+    )
     async with open_node(cfg) as head, open_client(head.address, timeout_s=5, retries=0) as c:
         await expect("downstream", c.open("s", 10))
         assert (await c.stats())["sessions_active"] == 0
-    protocol_codes = {"bad_request", "unsupported_version", "unknown_session", "session_exists", "position",
-                      "too_large", "wrong_stage", "busy", "kv_budget", "session_limit", "downstream", "internal",
-                      "shutting_down"}  # fmt: skip
+    protocol_codes = {
+        "bad_request",
+        "unsupported_version",
+        "unknown_session",
+        "session_exists",
+        "position",
+        "too_large",
+        "wrong_stage",
+        "busy",
+        "kv_budget",
+        "session_limit",
+        "downstream",
+        "internal",
+        "shutting_down",
+    }
     assert protocol_codes <= set(seen)
 
 
@@ -239,10 +255,17 @@ async def test_malformed_traffic_does_not_disturb_valid_sessions(tiny_model: Pat
                     if kind == 0:
                         frames = [r.bytes(int(r.integers(0, 40))) for _ in range(int(r.integers(1, 4)))]
                     else:
-                        header = {"v": int(r.choice([1, 1, 2])), "op": str(r.choice(ops)), "rid": int(r.integers(0, 9)),
-                                  "session": str(r.choice(["ref", "x", ""])), "pos": int(r.integers(-2, 20)),
-                                  "n": int(r.integers(-1, 5)), "input": "tokens", "out": "token",
-                                  "max_tokens": int(r.integers(-5, 3000))}  # fmt: skip
+                        header = {
+                            "v": int(r.choice([1, 1, 2])),
+                            "op": str(r.choice(ops)),
+                            "rid": int(r.integers(0, 9)),
+                            "session": str(r.choice(["ref", "x", ""])),
+                            "pos": int(r.integers(-2, 20)),
+                            "n": int(r.integers(-1, 5)),
+                            "input": "tokens",
+                            "out": "token",
+                            "max_tokens": int(r.integers(-5, 3000)),
+                        }
                         frames = [msgpack.packb(header), r.bytes(int(r.integers(0, 24)))]
                     sock.send_multipart(frames)
                     sent += 1
@@ -343,8 +366,9 @@ async def test_tokenize_and_detokenize(tiny_model: Path) -> None:
 
 
 async def test_text_waiting_for_the_tokenizer_is_bounded(tiny_model: Path) -> None:
-    config = NodeConfig(engine_config(tiny_model), bind="tcp://127.0.0.1:0", max_text_pending_bytes=1,
-                        max_text_tokens=2**20)  # fmt: skip
+    config = NodeConfig(
+        engine_config(tiny_model), bind="tcp://127.0.0.1:0", max_text_pending_bytes=1, max_text_tokens=2**20
+    )
     text = "the cat sat on the mat " * 20_000  # each request alone is over the pending limit: one at a time
     answers: list[str] = []
     async with open_node(config) as node, open_client(node.address, timeout_s=60) as c:
@@ -445,10 +469,23 @@ def test_prometheus_endpoint_has_the_telemetry_names(tiny_model: Path) -> None:
                 trio.run(trio.sleep, 0.1)
         with pytest.raises(OSError):  # it listens on the address it was given only
             urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
-        for name in ("sessions_active", "queue_depth", "batch_occupancy", "kv_pressure", "kv_budget_bytes",
-                     "decode_tokens_per_s", "step_seconds_bucket", "admissions", "auth_failures_total", "send_hwm",
-                     "reply_bytes", "max_reply_bytes", "request_bytes", "max_peer_request_bytes",
-                     "peer_quota_refused"):  # fmt: skip
+        for name in (
+            "sessions_active",
+            "queue_depth",
+            "batch_occupancy",
+            "kv_pressure",
+            "kv_budget_bytes",
+            "decode_tokens_per_s",
+            "step_seconds_bucket",
+            "admissions",
+            "auth_failures_total",
+            "send_hwm",
+            "reply_bytes",
+            "max_reply_bytes",
+            "request_bytes",
+            "max_peer_request_bytes",
+            "peer_quota_refused",
+        ):
             assert f"neuron_tai_{name}" in text, name
         assert node.stop() == 0
 
@@ -476,8 +513,14 @@ async def test_chained_step_is_in_flight_until_the_next_stage_answers(tiny_shard
                 nursery.start_soon(functools.partial(c.open, "s", 20))
                 peer, req = await next_request()
                 assert req["op"] == "open"
-                opened = {"v": 1, "op": "opened", "rid": req["rid"], "session": req["session"], "kv_reserved": 20,
-                          "stage": {"last": True, "layers": [2, 4]}}  # fmt: skip
+                opened = {
+                    "v": 1,
+                    "op": "opened",
+                    "rid": req["rid"],
+                    "session": req["session"],
+                    "kv_reserved": 20,
+                    "stage": {"last": True, "layers": [2, 4]},
+                }
                 fake_next.send_multipart([peer, msgpack.packb(opened)])
             replies: list[Any] = []
 
@@ -491,8 +534,15 @@ async def test_chained_step_is_in_flight_until_the_next_stage_answers(tiny_shard
                 with pytest.raises(NodeError) as info:
                     await c.step("s", 0, tokens=[1, 5, 6])
                 assert info.value.code == "busy"
-                result = {"v": 1, "op": "result", "rid": req["rid"], "session": req["session"], "pos": 0, "n": 3,
-                          "out": "token"}  # fmt: skip
+                result = {
+                    "v": 1,
+                    "op": "result",
+                    "rid": req["rid"],
+                    "session": req["session"],
+                    "pos": 0,
+                    "n": 3,
+                    "out": "token",
+                }
                 fake_next.send_multipart([peer, msgpack.packb(result), np.array([7], "<i4").tobytes()])
             assert replies[0].token == 7
     finally:
@@ -522,8 +572,9 @@ async def test_micro_batched_chain_is_bit_identical_to_one_node(tiny_model: Path
             alone[name] = await trace(client, name, ids)
     tail_cfg = NodeConfig(engine_config(tiny_shards2[1], **kw), bind="tcp://127.0.0.1:0")
     async with open_node(tail_cfg) as tail:
-        head_cfg = NodeConfig(engine_config(tiny_shards2[0], record_iterations=True, **kw),
-                              bind="tcp://127.0.0.1:0", next=tail.address)  # fmt: skip
+        head_cfg = NodeConfig(
+            engine_config(tiny_shards2[0], record_iterations=True, **kw), bind="tcp://127.0.0.1:0", next=tail.address
+        )
         async with open_node(head_cfg) as head, open_client(head.address, timeout_s=10) as client:
             assert head.stats()["micro_batches"] == 2 and tail.stats()["micro_batches"] == 1
             for name in prompts:

@@ -10,33 +10,40 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.scheduler import Plan, Rejection, Scheduler, SchedulerConfig, Session, Step, Waiter
-from protocol.errors import ErrorCode
+from engine.scheduler import Plan, Scheduler, SchedulerConfig, Session, Step, Waiter
+from protocol.errors import ErrorCode, Fault
 
 CFG = SchedulerConfig(
     max_sessions=4, kv_cells=256, n_batch=16, max_prefill_tokens=8, max_step_tokens=64, queue_budget_bytes=10_000
 )
 
 
-def opened(s: Scheduler, key: str, max_tokens: int = 32, seq: int = 0) -> Session:
-    session = s.request_open(key, max_tokens, 0, 0.0)
+def opened(s: Scheduler[None, None], key: str, max_tokens: int = 32, seq: int = 0) -> Session[None]:
+    session = s.request_open(key, max_tokens, 0, 0.0, None)
     assert isinstance(session, Session)
     session.seq = seq
     return session
 
 
-def run(s: Scheduler, plan: Plan) -> list[Step]:
+def run(s: Scheduler[None, None], plan: Plan) -> list[Step[None]]:
     return s.commit(plan, 0.0, 10.0)
 
 
+def quota_that_refused(s: Scheduler[None, None], before: dict[str, int]) -> str | None:
+    """The per-owner quota whose refusal count grew since `before` (a copy of `s.quota_refused`)."""
+    grew = [q for q in ("sessions", "waiting") if s.quota_refused[q] > before.get(q, 0)]
+    assert len(grew) <= 1
+    return grew[0] if grew else None
+
+
 def test_decode_first_then_prefill_round_robin() -> None:
-    s = Scheduler(CFG)
+    s = Scheduler[None, None](CFG)
     for i, key in enumerate("abcd"):
         opened(s, key, seq=i)
-    s.submit("a", 0, 20, 80, 0.0)  # long prefill
-    s.submit("b", 0, 20, 80, 0.0)  # long prefill
-    s.submit("c", 0, 1, 4, 0.0)
-    s.submit("d", 0, 1, 4, 0.0)
+    s.submit("a", 0, 20, 80, 0.0, None)  # long prefill
+    s.submit("b", 0, 20, 80, 0.0, None)  # long prefill
+    s.submit("c", 0, 1, 4, 0.0, None)
+    s.submit("d", 0, 1, 4, 0.0, None)
     plan = s.plan()
     assert plan is not None
     chunks = list(plan.chunks)
@@ -50,11 +57,11 @@ def test_decode_first_then_prefill_round_robin() -> None:
 
 
 def test_a_zero_prefill_budget_makes_a_decode_only_iteration_but_never_stops_prefill_alone() -> None:
-    s = Scheduler(CFG)
+    s = Scheduler[None, None](CFG)
     opened(s, "a", seq=0)
     opened(s, "b", seq=1)
-    s.submit("a", 0, 20, 80, 0.0)
-    s.submit("b", 0, 1, 4, 0.0)
+    s.submit("a", 0, 20, 80, 0.0, None)
+    s.submit("b", 0, 1, 4, 0.0, None)
     plan = s.plan(prefill_budget=0)
     assert plan is not None and [(c.key, c.count) for c in plan.chunks] == [("b", 1)]  # measures a decode
     run(s, plan)
@@ -63,9 +70,9 @@ def test_a_zero_prefill_budget_makes_a_decode_only_iteration_but_never_stops_pre
 
 
 def test_large_step_is_split_and_answered_once_complete() -> None:
-    s = Scheduler(CFG)
+    s = Scheduler[None, None](CFG)
     opened(s, "a")
-    step = s.submit("a", 0, 20, 80, 0.0)
+    step = s.submit("a", 0, 20, 80, 0.0, None)
     assert isinstance(step, Step)
     answered = []
     while (plan := s.plan()) is not None:
@@ -76,79 +83,100 @@ def test_large_step_is_split_and_answered_once_complete() -> None:
 
 
 def test_one_step_in_flight_per_session_and_errors_have_reasons() -> None:
-    s = Scheduler(CFG)
+    s = Scheduler[None, None](CFG)
     opened(s, "a", max_tokens=10)
-    assert isinstance(s.submit("a", 0, 2, 8, 0.0), Step)
-    busy = s.submit("a", 2, 1, 4, 0.0)
-    assert isinstance(busy, Rejection) and busy.code is ErrorCode.BUSY and busy.retry_after_ms
+    assert isinstance(s.submit("a", 0, 2, 8, 0.0, None), Step)
+    busy = s.submit("a", 2, 1, 4, 0.0, None)
+    assert isinstance(busy, Fault) and busy.code is ErrorCode.BUSY and busy.retry_after_ms
     run(s, s.plan())  # type: ignore[arg-type]
     cases = {
         ("b", 0, 1): ErrorCode.UNKNOWN_SESSION,
         ("a", 3, 1): ErrorCode.POSITION,  # gap
         ("a", 2, 9): ErrorCode.POSITION,  # past max_tokens
         ("a", 0, 65): ErrorCode.TOO_LARGE,
+        ("a", 2, 0): ErrorCode.BAD_REQUEST,  # an empty step: the one place n >= 1 is checked
     }
     for (key, pos, n), reason in cases.items():
-        r = s.submit(key, pos, n, 4 * n, 0.0)
-        assert isinstance(r, Rejection) and r.code is reason and r.message
+        r = s.submit(key, pos, n, 4 * n, 0.0, None)
+        assert isinstance(r, Fault) and r.code is reason and r.message
     assert s.sessions["a"].length == 2
 
 
 def test_queue_budget_refuses_with_busy_and_nothing_queued() -> None:
-    s = Scheduler(replace(CFG, queue_budget_bytes=100))
+    s = Scheduler[None, None](replace(CFG, queue_budget_bytes=100))
     opened(s, "a")
     opened(s, "b", seq=1)
-    assert isinstance(s.submit("a", 0, 20, 80, 0.0), Step)
-    r = s.submit("b", 0, 10, 40, 0.0)
-    assert isinstance(r, Rejection) and r.code is ErrorCode.BUSY and "queue budget" in r.message
+    assert isinstance(s.submit("a", 0, 20, 80, 0.0, None), Step)
+    r = s.submit("b", 0, 10, 40, 0.0, None)
+    assert isinstance(r, Fault) and r.code is ErrorCode.BUSY and "queue budget" in r.message
     assert s.queued_bytes == 80 and s.sessions["b"].step is None
 
 
-def test_rewind_shortens_the_session() -> None:
-    s = Scheduler(CFG)
-    opened(s, "a")
-    s.submit("a", 0, 5, 20, 0.0)
+def test_a_rewind_the_backend_cannot_make_is_refused_and_changes_nothing() -> None:
+    s = Scheduler[None, None](CFG)
+    opened(s, "a", seq=3)
+    s.submit("a", 0, 5, 20, 0.0, None)
     run(s, s.plan())  # type: ignore[arg-type]
-    step = s.submit("a", 2, 1, 4, 0.0)
+    asked: list[tuple[int, int]] = []
+
+    def window(seq: int, pos: int) -> bool:
+        asked.append((seq, pos))
+        return pos >= 4
+
+    r = s.submit("a", 2, 1, 4, 0.0, None, can_rewind=window)
+    assert isinstance(r, Fault) and r.code is ErrorCode.POSITION and "sliding window" in r.message
+    assert s.sessions["a"].length == 5 and s.sessions["a"].step is None and asked == [(3, 2)]
+    assert isinstance(s.submit("a", 5, 1, 4, 0.0, None, can_rewind=window), Step) and asked == [(3, 2)]  # no rewind
+    empty = s.request_open("b", 0, 0, 0.0, None)
+    assert isinstance(empty, Fault) and empty.code is ErrorCode.BAD_REQUEST
+
+
+def test_rewind_shortens_the_session() -> None:
+    s = Scheduler[None, None](CFG)
+    opened(s, "a")
+    s.submit("a", 0, 5, 20, 0.0, None)
+    run(s, s.plan())  # type: ignore[arg-type]
+    step = s.submit("a", 2, 1, 4, 0.0, None)
     assert isinstance(step, Step) and s.sessions["a"].length == 2
     plan = s.plan()
     assert plan is not None and next(iter(plan.chunks)).pos == 2
 
 
 def test_admission_waits_in_fifo_then_expires_with_retry_estimate() -> None:
-    s = Scheduler(replace(CFG, max_sessions=1))
+    s = Scheduler[None, None](replace(CFG, max_sessions=1))
     opened(s, "a")
-    w1 = s.request_open("b", 10, 100, 0.0)
-    w2 = s.request_open("c", 10, 50, 0.0)
+    w1 = s.request_open("b", 10, 100, 0.0, None)
+    w2 = s.request_open("c", 10, 50, 0.0, None)
     assert isinstance(w1, Waiter) and isinstance(w2, Waiter)
-    assert isinstance(s.request_open("b", 10, 100, 0.0), Rejection)  # exists (waiting)
+    assert isinstance(s.request_open("b", 10, 100, 0.0, None), Fault)  # exists (waiting)
     admitted, expired = s.poll_waiting(60.0)
     assert admitted == [] and [w.key for w, _ in expired] == ["c"]
     assert expired[0][1].code is ErrorCode.SESSION_LIMIT and expired[0][1].retry_after_ms
     s.close("a", 70.0)
     admitted, expired = s.poll_waiting(70.0)
     assert [w.key for w, _ in admitted] == ["b"] and not expired
-    no_wait = s.request_open("d", 10, 0, 80.0)
-    assert isinstance(no_wait, Rejection) and no_wait.code is ErrorCode.SESSION_LIMIT
+    no_wait = s.request_open("d", 10, 0, 80.0, None)
+    assert isinstance(no_wait, Fault) and no_wait.code is ErrorCode.SESSION_LIMIT
 
 
 def test_kv_is_reserved_up_front_and_never_overcommitted() -> None:
-    s = Scheduler(replace(CFG, kv_cells=100))
+    s = Scheduler[None, None](replace(CFG, kv_cells=100))
     opened(s, "a", max_tokens=60)
-    r = s.request_open("b", 50, 0, 0.0)
-    assert isinstance(r, Rejection) and r.code is ErrorCode.KV_BUDGET and "40 of 100 free" in r.message
-    huge = s.request_open("c", 101, 1000, 0.0)
-    assert isinstance(huge, Rejection) and huge.code is ErrorCode.KV_BUDGET and not s.waiting
+    r = s.request_open("b", 50, 0, 0.0, None)
+    assert isinstance(r, Fault) and r.code is ErrorCode.KV_BUDGET and "40 of 100 free" in r.message
+    huge = s.request_open("c", 101, 1000, 0.0, None)  # more than the node holds: never, not "not now"
+    assert isinstance(huge, Fault) and huge.code is ErrorCode.TOO_LARGE and not s.waiting
+    assert huge.retry_after_ms is None and "100 KV cells" in huge.message
     opened(s, "b", max_tokens=40)
     assert s.kv_reserved == 100
 
 
 def test_an_open_that_fits_is_admitted_while_a_larger_one_waits() -> None:
-    s = Scheduler(replace(CFG, kv_cells=2048, max_sessions=8))
+    s = Scheduler[None, None](replace(CFG, kv_cells=2048, max_sessions=8))
     opened(s, "a", max_tokens=1500)  # 548 of 2048 cells free
-    big = s.request_open("big", 1000, 10**9, 0.0)
+    big = s.request_open("big", 1000, 10**9, 0.0, None)
     assert isinstance(big, Waiter) and big.deadline_ms == CFG.max_wait_ms  # wait_ms is capped
-    small = s.request_open("small", 16, 0, 1.0)
+    small = s.request_open("small", 16, 0, 1.0, None)
     assert isinstance(small, Session) and big.overtaken == 1
     admitted, expired = s.poll_waiting(2.0)
     assert admitted == [] and expired == [] and list(s.waiting) == [big]
@@ -158,16 +186,16 @@ def test_an_open_that_fits_is_admitted_while_a_larger_one_waits() -> None:
 
 
 def test_overtaking_is_bounded_then_the_waiting_open_holds_admission() -> None:
-    s = Scheduler(replace(CFG, kv_cells=100, max_sessions=8, max_overtakes=2))
+    s = Scheduler[None, None](replace(CFG, kv_cells=100, max_sessions=8, max_overtakes=2))
     opened(s, "a", max_tokens=60)
-    big = s.request_open("big", 80, 1000, 0.0)
+    big = s.request_open("big", 80, 1000, 0.0, None)
     assert isinstance(big, Waiter)
-    assert isinstance(s.request_open("s1", 10, 1000, 0.0), Session)
-    assert isinstance(s.request_open("s2", 10, 1000, 0.0), Session)
-    held = s.request_open("s3", 10, 1000, 0.0)  # fits, but big has been overtaken twice
+    assert isinstance(s.request_open("s1", 10, 1000, 0.0, None), Session)
+    assert isinstance(s.request_open("s2", 10, 1000, 0.0, None), Session)
+    held = s.request_open("s3", 10, 1000, 0.0, None)  # fits, but big has been overtaken twice
     assert isinstance(held, Waiter) and big.overtaken == 2
-    refused = s.request_open("s4", 10, 0, 0.0)  # fits too, but may not wait: refused, not admitted
-    assert isinstance(refused, Rejection) and refused.code is ErrorCode.KV_BUDGET
+    refused = s.request_open("s4", 10, 0, 0.0, None)  # fits too, but may not wait: refused, not admitted
+    assert isinstance(refused, Fault) and refused.code is ErrorCode.KV_BUDGET
     s.close("s1", 1.0)
     assert s.poll_waiting(1.0) == ([], [])  # s3 still fits and still waits behind big
     for key in ("a", "s2"):
@@ -177,33 +205,35 @@ def test_overtaking_is_bounded_then_the_waiting_open_holds_admission() -> None:
 
 
 def test_an_expired_open_that_held_admission_lets_the_others_in() -> None:
-    s = Scheduler(replace(CFG, kv_cells=100, max_sessions=8, max_overtakes=0))  # strict arrival order
+    s = Scheduler[None, None](replace(CFG, kv_cells=100, max_sessions=8, max_overtakes=0))  # strict arrival order
     opened(s, "a", max_tokens=60)
-    assert isinstance(s.request_open("big", 80, 10, 0.0), Waiter)
-    assert isinstance(s.request_open("small", 10, 1000, 0.0), Waiter)
+    assert isinstance(s.request_open("big", 80, 10, 0.0, None), Waiter)
+    assert isinstance(s.request_open("small", 10, 1000, 0.0, None), Waiter)
     admitted, expired = s.poll_waiting(10.0)
     assert [w.key for w, _ in expired] == ["big"] and [w.key for w, _ in admitted] == ["small"]
 
 
 def test_per_owner_quotas_refuse_with_their_reason_and_leave_other_owners_alone() -> None:
-    s = Scheduler(replace(CFG, max_sessions=8, kv_cells=100, max_sessions_per_owner=2, max_waiting_per_owner=1))
-    assert isinstance(s.request_open("a1", 20, 0, 0.0, owner="a"), Session)
-    big = s.request_open("a2", 85, 1000, 0.0, owner="a")  # waits for cells
+    s = Scheduler[None, None](
+        replace(CFG, max_sessions=8, kv_cells=100, max_sessions_per_owner=2, max_waiting_per_owner=1)
+    )
+    assert isinstance(s.request_open("a1", 20, 0, 0.0, None, owner="a"), Session)
+    big = s.request_open("a2", 85, 1000, 0.0, None, owner="a")  # waits for cells
     assert isinstance(big, Waiter)
-    assert isinstance(s.request_open("a3", 1, 1000, 0.0, owner="a"), Session) and s.held_by("a") == (2, 1)
-    over = s.request_open("a4", 1, 1000, 0.0, owner="a")  # fits, yet a holds its 2: refused at once, not queued
-    assert isinstance(over, Rejection) and over.code is ErrorCode.SESSION_LIMIT and over.quota == "sessions"
+    assert isinstance(s.request_open("a3", 1, 1000, 0.0, None, owner="a"), Session) and s.held_by("a") == (2, 1)
+    over = s.request_open("a4", 1, 1000, 0.0, None, owner="a")  # fits, yet a holds its 2: refused at once, not queued
+    assert isinstance(over, Fault) and over.code is ErrorCode.SESSION_LIMIT and s.quota_refused["sessions"] == 1
     assert "quota of 2 sessions" in over.message and over.retry_after_ms and big.overtaken == 1
-    assert isinstance(s.request_open("b1", 80, 1000, 0.0, owner="b"), Waiter)  # another owner may wait...
-    second = s.request_open("b2", 80, 1000, 0.0, owner="b")  # ... once
-    assert isinstance(second, Rejection) and second.code is ErrorCode.KV_BUDGET and second.quota == "waiting"
+    assert isinstance(s.request_open("b1", 80, 1000, 0.0, None, owner="b"), Waiter)  # another owner may wait...
+    second = s.request_open("b2", 80, 1000, 0.0, None, owner="b")  # ... once
+    assert isinstance(second, Fault) and second.code is ErrorCode.KV_BUDGET and s.quota_refused["waiting"] == 1
     assert "quota of 1 waiting opens" in second.message and second.retry_after_ms
-    assert isinstance(s.request_open("c1", 5, 0, 0.0, owner="c"), Session)  # and a third is admitted
+    assert isinstance(s.request_open("c1", 5, 0, 0.0, None, owner="c"), Session)  # and a third is admitted
     s.close("a1", 1.0)  # room for a2's cells, but a is back at its quota before a2's turn:
-    assert isinstance(s.request_open("a5", 1, 0, 1.0, owner="a"), Session)
+    assert isinstance(s.request_open("a5", 1, 0, 1.0, None, owner="a"), Session)
     admitted, refused = s.poll_waiting(2.0)  # a2 is refused, never admitted; b1 behind it is
     assert [w.key for w, _ in admitted] == ["b1"] and [w.key for w, _ in refused] == ["a2"]
-    assert refused[0][1].quota == "sessions" and refused[0][1].code is ErrorCode.SESSION_LIMIT
+    assert s.quota_refused["sessions"] == 2 and refused[0][1].code is ErrorCode.SESSION_LIMIT
     assert s.held_by("a") == (2, 0) and not s.waiting
 
 
@@ -215,46 +245,51 @@ def test_an_open_that_waited_is_admitted_only_while_its_owner_is_under_its_quota
     small ones at once; when room frees, the waiting one is admitted only if a is still under
     its quota (else refused, naming it), and a never holds more than its quota."""
     held = min(held, quota - 1)
-    s = Scheduler(replace(CFG, max_sessions=12, kv_cells=100, max_sessions_per_owner=quota, max_overtakes=overtakes))
-    assert isinstance(s.request_open("blocker", 60, 0, 0.0, owner="z"), Session)
+    s = Scheduler[None, None](
+        replace(CFG, max_sessions=12, kv_cells=100, max_sessions_per_owner=quota, max_overtakes=overtakes)
+    )
+    assert isinstance(s.request_open("blocker", 60, 0, 0.0, None, owner="z"), Session)
     for i in range(held):
-        assert isinstance(s.request_open(f"a{i}", 1, 0, 0.0, owner="a"), Session)
-    waiter = s.request_open("wait", 50, 1000, 0.0, owner="a")
+        assert isinstance(s.request_open(f"a{i}", 1, 0, 0.0, None, owner="a"), Session)
+    waiter = s.request_open("wait", 50, 1000, 0.0, None, owner="a")
     assert isinstance(waiter, Waiter)
     for i in range(more):
         under = s.held_by("a")[0] < quota
-        r = s.request_open(f"more{i}", 1, 0, 0.0, owner="a")
+        before = dict(s.quota_refused)
+        r = s.request_open(f"more{i}", 1, 0, 0.0, None, owner="a")
         assert isinstance(r, Session) == (under and i < overtakes), r  # bounded overtaking still holds
         assert not isinstance(r, Waiter)
-        if isinstance(r, Rejection):  # wait_ms 0: a refusal, naming the quota only when it was the quota
-            assert r.quota == (None if under else "sessions")
+        if isinstance(r, Fault):  # wait_ms 0: a refusal, counted against the quota only when it was the quota
+            assert quota_that_refused(s, before) == (None if under else "sessions")
         assert s.held_by("a")[0] <= quota
     s.close("blocker", 1.0)
+    before = dict(s.quota_refused)
     admitted, refused = s.poll_waiting(1.0)
     if s.held_by("a")[0] - len(admitted) < quota:
         assert [w.key for w, _ in admitted] == ["wait"] and not refused
     else:
-        assert not admitted and [(w.key, why.quota) for w, why in refused] == [("wait", "sessions")]
+        assert not admitted and [w.key for w, _ in refused] == ["wait"]
+        assert quota_that_refused(s, before) == "sessions"
         assert f"quota of {quota} sessions" in refused[0][1].message
     assert s.held_by("a")[0] <= quota and not s.waiting
 
 
 def test_per_owner_quotas_default_to_the_node_limits() -> None:
-    s = Scheduler(replace(CFG, max_sessions=4))
+    s = Scheduler[None, None](replace(CFG, max_sessions=4))
     assert (s.config.sessions_per_owner, s.config.waiting_per_owner) == (4, CFG.max_waiting_opens)
     for i in range(4):  # one owner (a chain's head) may hold every session
-        assert isinstance(s.request_open(f"s{i}", 10, 0, 0.0, owner="head"), Session)
-    waiting = s.request_open("s4", 10, 1000, 0.0, owner="head")  # and wait for room, as on any full node
+        assert isinstance(s.request_open(f"s{i}", 10, 0, 0.0, None, owner="head"), Session)
+    waiting = s.request_open("s4", 10, 1000, 0.0, None, owner="head")  # and wait for room, as on any full node
     assert isinstance(waiting, Waiter)
-    full = s.request_open("s5", 10, 0, 0.0, owner="head")
-    assert isinstance(full, Rejection) and full.code is ErrorCode.SESSION_LIMIT and full.quota is None
+    full = s.request_open("s5", 10, 0, 0.0, None, owner="head")
+    assert isinstance(full, Fault) and full.code is ErrorCode.SESSION_LIMIT and not s.quota_refused
     with pytest.raises(ValueError, match="per_owner"):
         replace(CFG, max_sessions_per_owner=0)
 
 
-def held_scheduler(**overrides: Any) -> Scheduler:
+def held_scheduler(**overrides: Any) -> Scheduler[None, None]:
     """Batch-invariant bookkeeping: 100 cells, "a" open with 60 reserved, closed "b" left 25 held."""
-    s = Scheduler(replace(CFG, kv_cells=100, max_sessions=8, batch_invariant=True, pad_rows=8, **overrides))
+    s = Scheduler[None, None](replace(CFG, kv_cells=100, max_sessions=8, batch_invariant=True, pad_rows=8, **overrides))
     opened(s, "a", max_tokens=60)
     opened(s, "b", max_tokens=30)
     s.close("b", 0.0)
@@ -265,7 +300,7 @@ def held_scheduler(**overrides: Any) -> Scheduler:
 def test_an_open_that_fits_once_held_cells_are_freed_waits_for_a_compaction() -> None:
     s = held_scheduler()
     assert not s.wants_compaction()
-    w = s.request_open("c", 30, 0, 1.0)  # 15 cells free, 40 once compacted: waits despite wait_ms 0
+    w = s.request_open("c", 30, 0, 1.0, None)  # 15 cells free, 40 once compacted: waits despite wait_ms 0
     assert isinstance(w, Waiter) and w.deadline_ms == 1.0 and s.wants_compaction()
     assert s.release_held() == 25 and s.kv_held == 0 and not s.wants_compaction()
     admitted, expired = s.poll_waiting(2.0)
@@ -274,23 +309,23 @@ def test_an_open_that_fits_once_held_cells_are_freed_waits_for_a_compaction() ->
 
 def test_an_open_that_would_not_fit_even_then_is_refused_at_once() -> None:
     s = held_scheduler()
-    r = s.request_open("c", 41, 0, 1.0)
-    assert isinstance(r, Rejection) and r.code is ErrorCode.KV_BUDGET and not s.waiting
+    r = s.request_open("c", 41, 0, 1.0, None)
+    assert isinstance(r, Fault) and r.code is ErrorCode.KV_BUDGET and not s.waiting
     assert not s.wants_compaction()
-    assert isinstance(s.request_open("d", 41, 100, 1.0), Waiter) and not s.wants_compaction()
+    assert isinstance(s.request_open("d", 41, 100, 1.0, None), Waiter) and not s.wants_compaction()
 
 
 def test_a_failed_compaction_is_not_retried_until_more_cells_are_held() -> None:
     s = held_scheduler()
-    assert isinstance(s.request_open("c", 30, 0, 1.0), Waiter)
+    assert isinstance(s.request_open("c", 30, 0, 1.0, None), Waiter)
     s.compaction_failed()
     assert not s.wants_compaction() and s.kv_held == 25
     admitted, expired = s.poll_waiting(2.0)  # its deadline has passed: refused as before
     assert not admitted and [(w.key, why.code) for w, why in expired] == [("c", ErrorCode.KV_BUDGET)]
-    refused = s.request_open("d", 30, 0, 3.0)  # nothing to wait for
-    assert isinstance(refused, Rejection) and refused.code is ErrorCode.KV_BUDGET
+    refused = s.request_open("d", 30, 0, 3.0, None)  # nothing to wait for
+    assert isinstance(refused, Fault) and refused.code is ErrorCode.KV_BUDGET
     s.hold(1)
-    assert isinstance(s.request_open("e", 30, 0, 4.0), Waiter) and s.wants_compaction()
+    assert isinstance(s.request_open("e", 30, 0, 4.0, None), Waiter) and s.wants_compaction()
 
 
 def test_held_cells_past_the_threshold_ask_for_a_compaction_on_their_own() -> None:
@@ -305,9 +340,9 @@ def test_held_cells_past_the_threshold_ask_for_a_compaction_on_their_own() -> No
 
 
 def test_failure_rolls_sessions_back_to_step_start() -> None:
-    s = Scheduler(CFG)
+    s = Scheduler[None, None](CFG)
     opened(s, "a")
-    s.submit("a", 0, 20, 80, 0.0)
+    s.submit("a", 0, 20, 80, 0.0, None)
     run(s, s.plan())  # type: ignore[arg-type]
     assert s.sessions["a"].length == 8
     failed = s.fail(s.plan())  # type: ignore[arg-type]
@@ -316,14 +351,14 @@ def test_failure_rolls_sessions_back_to_step_start() -> None:
 
 
 def test_batch_invariant_plans_pad_decode_and_isolate_aligned_prefill() -> None:
-    s = Scheduler(replace(CFG, batch_invariant=True, pad_rows=8))
+    s = Scheduler[None, None](replace(CFG, batch_invariant=True, pad_rows=8))
     for i, key in enumerate("abc"):
         opened(s, key, seq=i)
-    s.submit("a", 0, 3, 12, 0.0)
+    s.submit("a", 0, 3, 12, 0.0, None)
     run(s, s.plan())  # type: ignore[arg-type]
-    s.submit("a", 3, 1, 4, 0.0)
-    s.submit("b", 0, 1, 4, 0.0)
-    s.submit("c", 0, 13, 52, 0.0)
+    s.submit("a", 3, 1, 4, 0.0, None)
+    s.submit("b", 0, 1, 4, 0.0, None)
+    s.submit("c", 0, 13, 52, 0.0, None)
     plan = s.plan()
     assert plan is not None
     decode, prefill = plan.calls
@@ -351,17 +386,17 @@ def test_invariant_mode_keeps_every_call_under_the_attention_tile() -> None:
 
 
 def test_micro_batches_are_stable_balanced_groups_each_in_a_call_of_its_own() -> None:
-    s = Scheduler(replace(CFG, max_sessions=5, micro_batches=2))
+    s = Scheduler[None, None](replace(CFG, max_sessions=5, micro_batches=2))
     for i, key in enumerate("abcde"):
         opened(s, key, seq=i)
     assert [s.sessions[k].group for k in "abcde"] == [0, 1, 0, 1, 0]  # each admitted to the smallest group
     for key in "edcba":  # arrival order: e's group (0) runs first
-        s.submit(key, 0, 1, 4, 0.0)
+        s.submit(key, 0, 1, 4, 0.0, None)
     plan = s.plan()
     assert plan is not None
     assert [[c.key for c in call.chunks] for call in plan.calls] == [["e", "c", "a"], ["d", "b"]]
     run(s, plan)
-    s.submit("b", 1, 1, 4, 0.0)  # only group 1 is back: it runs alone
+    s.submit("b", 1, 1, 4, 0.0, None)  # only group 1 is back: it runs alone
     plan = s.plan()
     assert plan is not None and [[c.key for c in call.chunks] for call in plan.calls] == [["b"]]
     run(s, plan)
@@ -372,19 +407,19 @@ def test_micro_batches_are_stable_balanced_groups_each_in_a_call_of_its_own() ->
 
 
 def test_micro_batches_carry_their_own_prefill_and_pad_each_invariant_call() -> None:
-    s = Scheduler(replace(CFG, micro_batches=2))
+    s = Scheduler[None, None](replace(CFG, micro_batches=2))
     for i, key in enumerate("abc"):
         opened(s, key, seq=i)
-    s.submit("a", 0, 1, 4, 0.0)
-    s.submit("b", 0, 1, 4, 0.0)
-    s.submit("c", 0, 5, 20, 0.0)  # group 0, like a
+    s.submit("a", 0, 1, 4, 0.0, None)
+    s.submit("b", 0, 1, 4, 0.0, None)
+    s.submit("c", 0, 5, 20, 0.0, None)  # group 0, like a
     plan = s.plan()
     assert plan is not None
     assert [[(c.key, c.count) for c in call.chunks] for call in plan.calls] == [[("a", 1), ("c", 5)], [("b", 1)]]
-    s = Scheduler(replace(CFG, micro_batches=2, batch_invariant=True, pad_rows=4))
+    s = Scheduler[None, None](replace(CFG, micro_batches=2, batch_invariant=True, pad_rows=4))
     for i, key in enumerate("abc"):
         opened(s, key, seq=i)
-        s.submit(key, 0, 1, 4, 0.0)
+        s.submit(key, 0, 1, 4, 0.0, None)
     plan = s.plan()
     assert plan is not None and [(call.rows, call.pad_rows) for call in plan.calls] == [(4, 2), (4, 3)]
 
@@ -408,7 +443,7 @@ class AdmissionMachine(RuleBasedStateMachine):
             micro_batches=self.micro_batches, max_waiting_opens=5, max_sessions_per_owner=self.quotas[0],
             max_waiting_per_owner=self.quotas[1],
         )  # fmt: skip
-        self.s = Scheduler(self.cfg)
+        self.s = Scheduler[None, None](self.cfg)
         self.now = 0.0
         self.keys = 0
         self.lengths: dict[str, int] = {}  # the model: committed length per session
@@ -424,7 +459,7 @@ class AdmissionMachine(RuleBasedStateMachine):
         sessions = sum(1 for k in self.s.sessions if self.owner[k] == owner)
         return sessions, sum(1 for k in self.queue if self.owner[k] == owner)
 
-    def _grouped(self, session: Session) -> None:
+    def _grouped(self, session: Session[None]) -> None:
         sizes = [0] * self.cfg.micro_batches
         for key in self.groups:
             if key in self.s.sessions:
@@ -440,7 +475,7 @@ class AdmissionMachine(RuleBasedStateMachine):
         """Whether an open that does not fit now waits for held cells to be freed (none held here)."""
         return False
 
-    def _closed(self, session: Session) -> None:
+    def _closed(self, session: Session[None]) -> None:
         """What the engine does with a closed session's cells (here: frees them at once)."""
 
     def _admitted(self, key: str) -> None:
@@ -464,13 +499,16 @@ class AdmissionMachine(RuleBasedStateMachine):
         sessions, waiting = self._held(owner)
         compacting = not fits and not head_holds and self._waits_for_compaction(max_tokens)
         may_wait = (wait > 0 or compacting) and len(self.queue) < cfg.max_waiting_opens
-        r = self.s.request_open(key, max_tokens, wait, self.now, owner=owner)
+        before = dict(self.s.quota_refused)
+        r = self.s.request_open(key, max_tokens, wait, self.now, None, owner=owner)
+        quota = quota_that_refused(self.s, before)
         event("held by an overtaken open" if head_holds and fits else "no open held")
         if max_tokens > cfg.kv_cells:
-            assert isinstance(r, Rejection) and r.code is ErrorCode.KV_BUDGET and r.quota is None
+            assert isinstance(r, Fault) and r.code is ErrorCode.TOO_LARGE and quota is None
+            assert r.retry_after_ms is None  # never fits: not worth a retry
         elif sessions >= cfg.sessions_per_owner and cfg.sessions_per_owner < cfg.max_sessions:
             event("owner at its session quota")
-            assert isinstance(r, Rejection) and r.code is ErrorCode.SESSION_LIMIT and r.quota == "sessions"
+            assert isinstance(r, Fault) and r.code is ErrorCode.SESSION_LIMIT and quota == "sessions"
             assert f"quota of {cfg.sessions_per_owner} sessions" in r.message and r.retry_after_ms
         elif fits and not head_holds:
             assert isinstance(r, Session), "an owner under its quota was not admitted to room that was free"
@@ -485,10 +523,10 @@ class AdmissionMachine(RuleBasedStateMachine):
                 assert compacting and self.s.wants_compaction()
             self.queue[key] = 0
         else:
-            assert isinstance(r, Rejection) and r.code in (ErrorCode.KV_BUDGET, ErrorCode.SESSION_LIMIT) and r.message
+            assert isinstance(r, Fault) and r.code in (ErrorCode.KV_BUDGET, ErrorCode.SESSION_LIMIT) and r.message
             by_quota = may_wait and waiting >= cfg.waiting_per_owner
             event("owner at its waiting quota" if by_quota else "no quota")
-            assert (r.quota == "waiting") == by_quota
+            assert (quota == "waiting") == by_quota
             assert (f"quota of {cfg.waiting_per_owner} waiting opens" in r.message) == by_quota
 
     @precondition(lambda self: self.queue)
@@ -501,16 +539,20 @@ class AdmissionMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def tick(self, data: st.DataObject) -> None:
         self.now += data.draw(st.sampled_from([1.0, 20.0, 50.0]))
+        before = self.s.quota_refused["sessions"]
         admitted, expired = self.s.poll_waiting(self.now)
         for _, session in admitted:
             self._grouped(session)
+        by_quota = 0
         for waiter, why in expired:
             assert why.code in (ErrorCode.KV_BUDGET, ErrorCode.SESSION_LIMIT) and why.retry_after_ms
-            if why.quota == "sessions":  # its turn came while its owner held its quota (sessions only grew since)
+            if "quota of" in why.message:  # its turn came while its owner held its quota (sessions only grew since)
                 event("waiting open refused by its owner's quota")
                 assert self.s.held_by(waiter.owner)[0] >= self.cfg.sessions_per_owner
+                by_quota += 1
             else:
-                assert why.quota is None and waiter.deadline_ms <= self.now
+                assert waiter.deadline_ms <= self.now
+        assert self.s.quota_refused["sessions"] - before == by_quota
         for waiter, session in admitted:
             assert waiter.key == session.key
         for waiter, _ in expired:  # expired ones no longer count
@@ -583,13 +625,13 @@ class SchedulerMachine(AdmissionMachine):
         length = self.lengths[key]
         pos = data.draw(st.integers(0, length + 1))
         n = data.draw(st.sampled_from([1, 1, 1, 3, 7, 12, 25]))
-        r = self.s.submit(key, pos, n, 4 * n, self.now)
+        r = self.s.submit(key, pos, n, 4 * n, self.now, None)
         if isinstance(r, Step):
             assert pos <= length and pos + n <= self.s.sessions[key].max_tokens
             self.lengths[key] = pos
             self.plans_since_submit[key] = 0
         else:
-            assert isinstance(r, Rejection) and r.message
+            assert isinstance(r, Fault) and r.message
             assert r.code in (ErrorCode.BUSY, ErrorCode.POSITION, ErrorCode.TOO_LARGE)
 
     @rule()
@@ -597,7 +639,7 @@ class SchedulerMachine(AdmissionMachine):
         """Every idle session sends its next token at once, as sessions in phase do."""
         for key, session in self.s.sessions.items():
             if session.step is None and session.length < session.max_tokens:
-                assert isinstance(self.s.submit(key, session.length, 1, 4, self.now), Step)
+                assert isinstance(self.s.submit(key, session.length, 1, 4, self.now, None), Step)
                 self.lengths[key] = session.length
                 self.plans_since_submit[key] = 0
 
@@ -679,7 +721,7 @@ class HeldCellsMachine(SchedulerMachine):
     def __init__(self) -> None:
         super().__init__()
         self.cfg = replace(self.cfg, compact_held_cells=90)
-        self.s = Scheduler(self.cfg)
+        self.s = Scheduler[None, None](self.cfg)
 
     def _fits_once_compacted(self, max_tokens: int) -> bool:
         free = self.cfg.kv_cells - self.s.kv_reserved
@@ -690,19 +732,20 @@ class HeldCellsMachine(SchedulerMachine):
         may_compact = s.kv_held > 0 and s.compaction_failed_at != s.kv_held
         return may_compact and self._fits_once_compacted(max_tokens)
 
-    def _closed(self, session: Session) -> None:
+    def _closed(self, session: Session[None]) -> None:
         self.s.hold(session.length)
 
     @precondition(lambda self: any(s.step is None and s.length < s.max_tokens for s in self.s.sessions.values()))
     @rule(data=st.data())
     def fill_and_close(self, data: st.DataObject) -> None:
         """A session prefills as much as one step may, runs, and closes: its cells stay held."""
-        key = data.draw(st.sampled_from(sorted(k for k, s in self.s.sessions.items()
-                                               if s.step is None and s.length < s.max_tokens)))  # fmt: skip
+        key = data.draw(
+            st.sampled_from(sorted(k for k, s in self.s.sessions.items() if s.step is None and s.length < s.max_tokens))
+        )
         session = self.s.sessions[key]
         n = min(session.max_tokens - session.length, self.cfg.max_step_tokens)
         end = session.length + n
-        assert isinstance(self.s.submit(key, session.length, n, 4 * n, self.now), Step)
+        assert isinstance(self.s.submit(key, session.length, n, 4 * n, self.now, None), Step)
         self.lengths[key] = session.length
         self.plans_since_submit[key] = 0
         self.drain()
@@ -730,8 +773,7 @@ class HeldCellsMachine(SchedulerMachine):
     @rule(fails=st.sampled_from([False, False, True]))
     def compact(self, fails: bool) -> None:
         s = self.s
-        waiting_helps = any(not self._fits(w.max_tokens) and self._fits_once_compacted(w.max_tokens)
-                            for w in s.waiting)  # fmt: skip
+        waiting_helps = any(not self._fits(w.max_tokens) and self._fits_once_compacted(w.max_tokens) for w in s.waiting)
         may = s.kv_held > 0 and s.compaction_failed_at != s.kv_held
         overcommitted = s.kv_reserved + s.kv_held > self.cfg.kv_cells
         assert s.wants_compaction() == (may and (s.kv_held >= 90 or overcommitted or waiting_helps))
@@ -766,13 +808,13 @@ def test_invariant_mode_shapes_do_not_depend_on_load(decodes: int, prefill: list
         max_sessions=12, kv_cells=1000, n_batch=16, max_prefill_tokens=8, max_step_tokens=64,
         queue_budget_bytes=10**6, batch_invariant=True, pad_rows=pad,
     )  # fmt: skip
-    s = Scheduler(cfg)
+    s = Scheduler[None, None](cfg)
     for i in range(decodes):
         opened(s, f"d{i}", seq=i)
-        s.submit(f"d{i}", 0, 1, 4, 0.0)
+        s.submit(f"d{i}", 0, 1, 4, 0.0, None)
     for j, n in enumerate(prefill):
         opened(s, f"p{j}", max_tokens=64, seq=8 + j)
-        s.submit(f"p{j}", 0, n, 4 * n, 0.0)
+        s.submit(f"p{j}", 0, n, 4 * n, 0.0, None)
     while (plan := s.plan()) is not None:
         for call in plan.calls:
             keys = {c.key for c in call.chunks}

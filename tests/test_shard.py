@@ -161,8 +161,10 @@ def test_balanced_bounds_is_the_best_contiguous_split(case: tuple[list[int], int
     def worst(split: Sequence[tuple[int, int]]) -> int:
         return max(sum(layers[a:b]) + (projection if b == len(layers) else 0) for a, b in split)
 
-    every = [stage_bounds(len(layers), split=list(cuts))
-             for cuts in itertools.combinations(range(1, len(layers)), stages - 1)]  # fmt: skip
+    every = [
+        stage_bounds(len(layers), split=list(cuts))
+        for cuts in itertools.combinations(range(1, len(layers)), stages - 1)
+    ]
     assert worst(bounds) == min(worst(split) for split in every)
 
 
@@ -200,8 +202,13 @@ def test_header_reader_agrees_with_the_gguf_package(tiny_gemma: Path, tmp_path: 
 
     ours = read_header(tiny_gemma)
     theirs = open_reader(tiny_gemma)
-    for key in ("general.architecture", "gemma3.block_count", "gemma3.attention.sliding_window",
-                "tokenizer.ggml.bos_token_id", "gemma3.attention.layer_norm_rms_epsilon"):  # fmt: skip
+    for key in (
+        "general.architecture",
+        "gemma3.block_count",
+        "gemma3.attention.sliding_window",
+        "tokenizer.ggml.bos_token_id",
+        "gemma3.attention.layer_norm_rms_epsilon",
+    ):
         assert ours.get(key) == pytest.approx(field(tiny_gemma, key)), key
     tokens = field(tiny_gemma, "tokenizer.ggml.tokens")
     assert isinstance(tokens, list) and ours.entries["tokenizer.ggml.tokens"].count == len(tokens)

@@ -234,8 +234,9 @@ async def test_a_peer_behind_by_its_bytes_is_cut_off_then_served_once_it_drains(
 async def test_past_the_total_the_peer_furthest_behind_is_cut_off_first(ctx: Ctx) -> None:
     gone: list[bytes] = []
     sock = TrioSocket(router(ctx, "inproc://total", SNDHWM=2))
-    pump = SocketPump(sock, lambda frames: None, routed=True, max_bytes=3000, max_peer_bytes=10**6,
-                      on_peer_gone=gone.append)  # fmt: skip
+    pump = SocketPump(
+        sock, lambda frames: None, routed=True, max_bytes=3000, max_peer_bytes=10**6, on_peer_gone=gone.append
+    )
     a, b = (dealer(ctx, "inproc://total", name, RCVHWM=2) for name in (b"a", b"b"))  # neither reads
     fast = TrioSocket(dealer(ctx, "inproc://total", b"fast"))
     for peer in (a, b):

@@ -45,9 +45,19 @@ def base(op: str, **kw: Any) -> dict[str, Any]:
 def test_every_request_decodes() -> None:
     assert decode_request(frames(base("ping")), N_EMBD) == Ping(7)
     assert decode_request(frames(base("stats")), N_EMBD) == Stats(7)
-    o = decode_request(frames(base("open", session="s", max_tokens=10, sampling={"temperature": 1, "top_k": 5,
-                                                                                  "top_p": 0.5, "seed": 3},
-                                    wait_ms=20, extra="ignored")), N_EMBD)  # fmt: skip
+    o = decode_request(
+        frames(
+            base(
+                "open",
+                session="s",
+                max_tokens=10,
+                sampling={"temperature": 1, "top_k": 5, "top_p": 0.5, "seed": 3},
+                wait_ms=20,
+                extra="ignored",
+            )
+        ),
+        N_EMBD,
+    )
     assert isinstance(o, Open) and o.sampling.top_k == 5 and o.sampling.temperature == 1.0 and o.wait_ms == 20
     assert decode_request(frames(base("close", session="s")), N_EMBD) == Close(7, "s")
     t = decode_request(frames(base("tokenize", text="hi", add_special=False)), N_EMBD)
@@ -134,8 +144,25 @@ _values = st.recursive(
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
     max_leaves=8,
 )
-_keys = st.sampled_from(["v", "op", "rid", "session", "pos", "n", "input", "out", "dtype", "out_dtype", "max_tokens",
-                         "sampling", "wait_ms", "text", "add_special"])  # fmt: skip
+_keys = st.sampled_from(
+    [
+        "v",
+        "op",
+        "rid",
+        "session",
+        "pos",
+        "n",
+        "input",
+        "out",
+        "dtype",
+        "out_dtype",
+        "max_tokens",
+        "sampling",
+        "wait_ms",
+        "text",
+        "add_special",
+    ]
+)
 _ops = st.sampled_from(["open", "step", "close", "tokenize", "detokenize", "stats", "ping", "x"])
 
 
@@ -282,8 +309,16 @@ def test_sampling_edges_are_accepted(sampling: dict[str, Any]) -> None:
 # -- replies of a next stage -------------------------------------------------------------------
 
 STAGE = {"first": False, "last": True, "layers": [2, 4], "max_step_tokens": 64, "eog_tokens": [2]}
-SENT_STEP = {"op": "step", "session": "f", "pos": 3, "n": 2, "input": "hidden", "dtype": "f32", "out": "hidden",
-             "out_dtype": "f16"}  # fmt: skip
+SENT_STEP = {
+    "op": "step",
+    "session": "f",
+    "pos": 3,
+    "n": 2,
+    "input": "hidden",
+    "dtype": "f32",
+    "out": "hidden",
+    "out_dtype": "f16",
+}
 HIDDEN_F16 = b"\0" * (2 * N_EMBD * 2)
 
 

@@ -1,0 +1,206 @@
+"""Sessions: the scheduler's sessions bound to the backend's sequences, in the engine task.
+
+Opening binds a sequence, a step is checked (its payload here, its session state by the
+scheduler) and queued, a rollback or a rewind drops positions, and closing frees the
+sequence, answers a step it had pending and posts the end (`SessionEnded`) for the node.
+In batch-invariant mode what a session drops stays held in the graveyard sequence until a
+compaction (engine/compaction.py) frees it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from engine.backend import StageBackend
+from engine.cleanups import PendingCleanup, tell
+from engine.messages import (
+    CloseAnswered,
+    CloseRequest,
+    EndReason,
+    Opened,
+    OpenRequest,
+    Rollback,
+    SessionEnded,
+    StepRequest,
+)
+from engine.replies import Opening, Reply, RequesterGone, Work
+from engine.scheduler import Scheduler, Session, SessionKey, Waiter
+from engine.session_ends import SessionEnds
+from engine.telemetry import Telemetry
+from protocol.errors import ErrorCode, Fault
+
+log = logging.getLogger("neuron_tai.engine")
+
+EngineScheduler = Scheduler[Work, Opening]
+# Refusals of an open counted in `admissions_rejected_total`: those about room, not about the request.
+_ADMISSION_CODES = (ErrorCode.KV_BUDGET, ErrorCode.SESSION_LIMIT, ErrorCode.BUSY, ErrorCode.SHUTTING_DOWN)
+
+
+def now_ms() -> float:
+    return time.monotonic() * 1000
+
+
+class Sessions:
+    """What happens to sessions, in the engine task only (it owns the scheduler and the backend)."""
+
+    def __init__(
+        self,
+        scheduler: EngineScheduler,
+        backend: StageBackend,
+        telemetry: Telemetry,
+        ends: SessionEnds,
+        graveyard: int | None,
+    ) -> None:
+        self.scheduler = scheduler
+        self.backend = backend
+        self.telemetry = telemetry
+        self.ends = ends
+        self.graveyard = graveyard  # batch-invariant mode: where dropped cells stay held
+        # Answered, next step not here yet: kept until their group runs again (then they are late).
+        self.coming_back: set[SessionKey] = set()
+        # The node's callback from before `session_ends`, called (owner, session) in the engine
+        # task for each session freed; it goes once the node reads `Engine.session_ends`.
+
+    # -- opening -------------------------------------------------------------------
+
+    def open(self, request: OpenRequest, reply: Reply) -> None:
+        opening = Opening(request, reply)
+        key = (request.owner, request.session)
+        wait_ms, owner = request.wait_ms, request.owner
+        outcome = self.scheduler.request_open(key, request.max_tokens, wait_ms, now_ms(), opening, owner=owner)
+        if isinstance(outcome, Fault):
+            self.refuse(outcome, reply)
+        elif isinstance(outcome, Session):
+            self.bind(opening, outcome)
+
+    def bind(self, opening: Opening, session: Session[Work]) -> None:
+        """Give an admitted session its sequence, and its requester the news."""
+        session.seq = self.backend.open_sequence(opening.request.sampling)
+        self.telemetry.admissions_total += 1
+        self.telemetry.kv_reserved_peak = max(self.telemetry.kv_reserved_peak, self.scheduler.kv_reserved)
+        try:
+            opening.reply.deliver(Opened(opening.request.session, session.max_tokens))
+        except RequesterGone:
+            self.close(session.key, EndReason.REQUESTER_GONE, "the requester is gone")
+
+    def admit_waiting(self) -> None:
+        """Opens that waited: admit those that fit now, refuse those whose wait is over."""
+        admitted, expired = self.scheduler.poll_waiting(now_ms())
+        for waiter, session in admitted:
+            self.bind(waiter.payload, session)
+        for waiter, why in expired:
+            self.refuse_waiter(waiter, why)
+
+    def refuse(self, why: Fault, reply: Reply) -> None:
+        if why.code in _ADMISSION_CODES:
+            self.telemetry.rejected[why.code] += 1
+        reply.answer(self.telemetry.counted(why))
+
+    def refuse_waiter(self, waiter: Waiter[Opening], why: Fault) -> None:
+        self.refuse(why, waiter.payload.reply)
+
+    # -- steps ---------------------------------------------------------------------
+
+    def step(self, request: StepRequest, reply: Reply) -> None:
+        """Check a step's payload (once: the decode does not scan it again) and queue it; the
+        scheduler checks its session's state."""
+        try:
+            self.backend.check_payload(request.tokens, request.hidden, request.out)
+        except Fault as fault:
+            reply.answer(self.telemetry.counted(fault))
+            return
+        key = (request.owner, request.session)
+        self.coming_back.discard(key)
+        session = self.scheduler.sessions.get(key)
+        length = 0 if session is None else session.length
+        outcome = self.scheduler.submit(
+            key, request.pos, request.n, request.nbytes, now_ms(), Work(request, reply), self.backend.can_rewind
+        )
+        if isinstance(outcome, Fault):
+            self.refuse(outcome, reply)
+        elif session is not None and request.pos < length:
+            self.rewind(session.seq, request.pos)
+
+    def rollback(self, request: Rollback) -> None:
+        """Back to `pos`; a session that cannot go back that far is closed instead."""
+        key = (request.owner, request.session)
+        session = self.scheduler.sessions.get(key)
+        if session is None:
+            return
+        if self.backend.can_rewind(session.seq, request.pos) and self.scheduler.rollback(key, request.pos):
+            self.rewind(session.seq, request.pos)
+            return
+        log.warning("session %r could not be rolled back to %d: closed", request.session, request.pos)
+        self.close(key, EndReason.ROLLBACK_FAILED, "the session could not be rolled back")
+
+    def rewind(self, seq: int, pos: int) -> None:
+        """Drop a session's positions pos..; in batch-invariant mode their cells stay held like a
+        closed session's (freed in place, they would take other sessions' next tokens)."""
+        if self.graveyard is None:
+            self.backend.rewind(seq, pos)
+        else:
+            self.scheduler.hold(self.backend.rewind(seq, pos, hold_in=self.graveyard))
+
+    # -- ends ----------------------------------------------------------------------
+
+    def close(self, key: SessionKey, reason: EndReason, why: str, code: ErrorCode = ErrorCode.UNKNOWN_SESSION) -> bool:
+        """Free a session; a step it had pending is answered `code` ("`why` before this step ran")."""
+        self.coming_back.discard(key)
+        session = self.scheduler.close(key, now_ms())
+        if session is None:
+            return False
+        if self.graveyard is None:
+            self.backend.close_sequence(session.seq)
+        else:
+            self.scheduler.hold(self.backend.retire_sequence(session.seq, self.graveyard))
+            if not self.scheduler.sessions:  # nobody's layout left to protect
+                self.backend.release_graveyard(self.graveyard)
+                self.telemetry.kv_cells_reclaimed_total += self.scheduler.release_held()
+        if session.step is not None:
+            session.step.payload.reply.answer(self.telemetry.counted(Fault(code, f"{why} before this step ran")))
+        self.ends.post(SessionEnded(key[0], key[1], reason))
+        return True
+
+    def clean(self, pending: PendingCleanup) -> None:
+        """Run one cleanup (close, rollback, or a gone connection) and answer its closes."""
+        request = pending.request
+        existed = False
+        if isinstance(request, CloseRequest):
+            existed = self.close((request.owner, request.session), EndReason.CLOSED, "the session was closed")
+        elif isinstance(request, Rollback):
+            self.rollback(request)
+        else:
+            for key in [k for k in self.scheduler.sessions if k[0] == request.owner]:
+                self.close(key, EndReason.OWNER_GONE, "the session's connection is gone")
+            for waiter in self.scheduler.drop_waiting(request.owner):  # nobody reads the answer: no task hangs
+                self.refuse_waiter(waiter, Fault(ErrorCode.UNKNOWN_SESSION, "the connection is gone"))
+        self.answer_closes(pending, existed)
+
+    def answer_closes(self, pending: PendingCleanup, existed: bool) -> None:
+        """A cleanup is done: wake who waits for it, and answer each close merged into it."""
+        pending.done.set()
+        tell(pending.listeners, existed)
+        request = pending.request
+        if isinstance(request, CloseRequest):
+            for i in range(pending.closes):
+                self.ends.post(CloseAnswered(request.owner, request.session, existed and i == 0))
+
+    def close_idle(self, idle_ms: float) -> None:
+        for key in self.scheduler.idle_sessions(now_ms(), idle_ms):
+            log.info("closing idle session %r", key[1])
+            self.close(key, EndReason.IDLE, "the session was idle for too long")
+
+    def fail_everything_pending(self) -> None:
+        """The loop stopped: every pending step and waiting open is answered `shutting_down`, and
+        every session still open has ended (the backend, closed next, frees them all)."""
+        for key, session in self.scheduler.sessions.items():
+            self.ends.post(SessionEnded(key[0], key[1], EndReason.SHUTDOWN))
+            if session.step is not None:
+                work = session.step.payload
+                session.step = None
+                work.reply.answer(
+                    self.telemetry.counted(Fault(ErrorCode.SHUTTING_DOWN, "the node stopped before this step ran"))
+                )
+        for waiter in list(self.scheduler.waiting):
+            self.refuse_waiter(waiter, Fault(ErrorCode.SHUTTING_DOWN, "the node stopped"))
