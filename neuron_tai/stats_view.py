@@ -43,7 +43,9 @@ def summary(address: str, stats: Mapping[str, Any]) -> list[str]:
 
 
 def _model(stats: Mapping[str, Any]) -> str:
-    name, layers = stats.get("model"), stats.get("layers")
+    reported = stats.get("stage")
+    stage: Mapping[str, Any] = reported if isinstance(reported, Mapping) else {}
+    name, layers = stats.get("model", stage.get("model")), stats.get("layers", stage.get("layers"))
     if name is None:
         return "not reported (a node started without the neuron-tai command)"
     if isinstance(layers, list | tuple) and len(layers) == 2:
@@ -58,9 +60,15 @@ def _next_stage(stats: Mapping[str, Any]) -> str:
         return "none (this node ends the chain)"
     where = f" at {down['address']}" if "address" in down else ""
     state = "connected" if down.get("connected") else "NOT CONNECTED"
+    replicas = down.get("replicas")
+    if isinstance(replicas, list) and len(replicas) > 1:
+        up = sum(1 for r in replicas if isinstance(r, Mapping) and r.get("state") == "up")
+        state += f" ({up} of {len(replicas)} replicas up)"
+    recovered = f"; {stats['recoveries_total']} sessions recovered" if stats.get("recoveries_total") else ""
     return (
         f"{state}{where}; {down.get('sessions', 0)} sessions there, {down.get('disconnects_total', 0)} disconnects, "
         f"{down.get('failures_total', 0)} failed requests, {down.get('malformed_total', 0)} malformed replies"
+        f"{recovered}"
     )
 
 
