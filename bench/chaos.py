@@ -45,7 +45,7 @@ from typing import Any
 
 import trio
 
-from bench import chaos_report
+from bench import chaos_failover, chaos_report
 from bench.chaos_drivers import (
     COUNTERS,
     Outcomes,
@@ -429,9 +429,31 @@ def fake_counts(log: Path) -> dict[str, int]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("mode", nargs="?", choices=["full", "quick"], default="full")
-    parser.add_argument("--out", type=Path, help="where quick writes its JSON (default .bench/chaos-quick.json)")
+    parser.add_argument(
+        "--part",
+        choices=["both", "hostile", "failover"],
+        default="both",
+        help="hostile peers, failing replicas (bench/chaos_failover.py), or both in turn",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="where quick writes its JSON (default .bench/chaos-quick.json; "
+        "the failover part's goes beside it, named *-failover.json)",
+    )
     parser.add_argument("--attack-s", type=float, help="the attack's length, in seconds (the plan's by default)")
     args = parser.parse_args()
+    failover_out = None if args.out is None else args.out.with_name(f"{args.out.stem}-failover.json")
+    if args.part == "failover":
+        return chaos_failover.run_part(args.mode, args.out)
+    status = hostile_part(args)
+    if args.part == "both":
+        status = max(status, chaos_failover.run_part(args.mode, failover_out))
+    return status
+
+
+def hostile_part(args: argparse.Namespace) -> int:
+    """The hostile peers' part: 0 when it passed."""
     plan = FULL if args.mode == "full" else QUICK
     if args.attack_s:
         plan = replace(plan, attack_s=args.attack_s)
