@@ -181,7 +181,7 @@ async def measure(procs: Processes, star: Star, chain: Chain, plan: Plan) -> dic
     hwm.update(injector.peaks_mib)
     calm_row, storm_row = calm.report(), storm.report()
     missing = [r.rid for r in requests(plan) if r.rid not in reference]
-    return {"undisturbed": calm_row, "failures": storm_row, "faults": injector.faults,
+    return {"undisturbed": calm_row, "under_failures": storm_row, "faults": injector.faults,
             "killed": injector.killed, "kinds": list(kinds),
             "throughput_ratio": round(storm_row["tok_s"] / calm_row["tok_s"], 3)
             if storm_row["tok_s"] and calm_row["tok_s"] else None,

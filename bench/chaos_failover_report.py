@@ -25,7 +25,7 @@ def failures(result: Mapping[str, Any], kinds: tuple[str, ...]) -> list[str]:
         out.append("crashed: " + ", ".join(f"{c['name']} ({c['reason']})" for c in result["crashes"]))
     for problem in result.get("bench_errors", []):
         out.append(f"bench: {problem}")
-    for phase in ("undisturbed", "failures"):
+    for phase in ("undisturbed", "under_failures"):
         run = result[phase]
         if run["sessions_lost"]:
             out.append(f"{phase}: {run['sessions_lost']} sessions lost {run['lost_by_code']}")
@@ -53,7 +53,7 @@ def failures(result: Mapping[str, Any], kinds: tuple[str, ...]) -> list[str]:
 def console(result: Mapping[str, Any]) -> str:
     """The summary printed at the end of the part."""
     lines = []
-    for phase in ("undisturbed", "failures"):
+    for phase in ("undisturbed", "under_failures"):
         r = result[phase]
         lines.append(f"{phase}: {r['sessions_completed']} sessions completed, {r['sessions_lost']} lost, "
                      f"{r['mismatches']} mismatches, {r['tok_s']} tok/s over {r['seconds']} s, longest gap per "

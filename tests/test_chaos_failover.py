@@ -24,7 +24,7 @@ KINDS = ("kill", "stop", "cut")
 
 def clean_result() -> dict[str, Any]:
     run = {"sessions_completed": 10, "sessions_lost": 0, "lost_by_code": {}, "mismatches": 0, "unchecked": 0}
-    return {"crashes": [], "bench_errors": [], "undisturbed": dict(run), "failures": dict(run),
+    return {"crashes": [], "bench_errors": [], "undisturbed": dict(run), "under_failures": dict(run),
             "faults": [{"fault": i + 1, "kind": k, "replica": "mid-0", "up_again": True} for i, k in enumerate(KINDS)],
             "after_lease": {"head": {"sessions_held": 0}, "mid-0": {"sessions_held": 0}}}  # fmt: skip
 
@@ -32,7 +32,7 @@ def clean_result() -> dict[str, Any]:
 def test_the_verdict_names_each_broken_criterion() -> None:
     assert failures(clean_result(), KINDS) == []
     broken = copy.deepcopy(clean_result())
-    broken["failures"].update(sessions_lost=2, lost_by_code={"downstream": 2}, mismatches=1)
+    broken["under_failures"].update(sessions_lost=2, lost_by_code={"downstream": 2}, mismatches=1)
     broken["faults"] = broken["faults"][:2]
     broken["after_lease"]["mid-0"] = {"sessions_held": 3}
     found = failures(broken, KINDS)
@@ -50,7 +50,7 @@ def test_quick_failover_run_loses_no_session_and_changes_no_token(tmp_path: Path
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report = json.loads(out.read_text())
     assert report["passed"] and report["failures"] == [] and report["crashes"] == []
-    for phase in ("undisturbed", "failures"):
+    for phase in ("undisturbed", "under_failures"):
         run = report[phase]
         assert run["sessions_completed"] > 0 and run["sessions_lost"] == 0 and run["mismatches"] == 0, run
         assert run["unchecked"] == 0
