@@ -23,8 +23,12 @@ did not complete, a session still held, a malformed reply not answered `downstre
 message never answered, or fewer hostile messages than the plan's minimum. Everything it
 starts is stopped on the way out, also on Ctrl-C or SIGTERM (exit 130).
 
-    python -m bench.chaos           # full, about 2 minutes: evidence/chaos.json
-    python -m bench.chaos quick     # under a minute: .bench/chaos-quick.json
+Then, unless `--part hostile`, the failover part runs in a process of its own
+(bench/chaos_failover.py): replicas of a 3-stage chain killed, hung and cut off while
+sessions generate. `--part failover` runs it alone. The exit status is 1 if either failed.
+
+    python -m bench.chaos           # full, about 2 minutes: evidence/chaos.json, then evidence/chaos_failover.json
+    python -m bench.chaos quick     # each part under 90 s: .bench/chaos-quick.json, .bench/chaos-failover-quick.json
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ os.environ.setdefault("GOMP_SPINCOUNT", "20000")  # what `neuron-tai serve` uses
 import argparse
 import json
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -45,7 +50,7 @@ from typing import Any
 
 import trio
 
-from bench import chaos_failover, chaos_report
+from bench import chaos_report
 from bench.chaos_drivers import (
     COUNTERS,
     Outcomes,
@@ -443,13 +448,20 @@ def main() -> int:
     )
     parser.add_argument("--attack-s", type=float, help="the attack's length, in seconds (the plan's by default)")
     args = parser.parse_args()
-    failover_out = None if args.out is None else args.out.with_name(f"{args.out.stem}-failover.json")
     if args.part == "failover":
-        return chaos_failover.run_part(args.mode, args.out)
+        return failover_part(args.mode, args.out)
     status = hostile_part(args)
     if args.part == "both":
-        status = max(status, chaos_failover.run_part(args.mode, failover_out))
+        out = None if args.out is None else args.out.with_name(f"{args.out.stem}-failover.json")
+        status = max(status, failover_part(args.mode, out))
     return status
+
+
+def failover_part(mode: str, out: Path | None) -> int:
+    """bench/chaos_failover.py in a process of its own: it moves into a network namespace, and the
+    client's ZeroMQ context (one per process, its I/O threads made with it) must be made there."""
+    cmd = [sys.executable, "-m", "bench.chaos_failover", mode, *(["--out", str(out)] if out else [])]
+    return subprocess.run(cmd, check=False).returncode
 
 
 def hostile_part(args: argparse.Namespace) -> int:
