@@ -63,7 +63,7 @@ from bench.chaos_drivers import (
     stats_peaks,
     valid_load,
 )
-from bench.common import WORK, command_line, shown, tiny_model, write_evidence
+from bench.common import WORK, shown, tiny_model
 from bench.hostile import Target
 from bench.interrupts import run_main, run_until_interrupted
 from bench.processes import Processes, free_ports, node_ready, open_processes, serve_command
@@ -495,18 +495,7 @@ def hostile_part(args: argparse.Namespace) -> int:
                "topology": {name: shown(a) for name, a in addresses.items()}, "model": "tiny-llama (testkit.models)",
                "passed": not found, "failures": found, **result}  # fmt: skip
     print(chaos_report.console(result))
-    if plan.mode == "full" and not args.out:
-        path = write_evidence("chaos.json", payload)
-    else:
-        path = args.out or WORK / "chaos-quick.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"command": command_line(), **payload}, indent=1) + "\n")
-    say(f"wrote {shown(path)} in {payload['seconds']} s")
-    if found:
-        print("FAILED:\n  " + "\n  ".join(found), file=sys.stderr)
-        return 1
-    print("chaos: passed")
-    return 0
+    return chaos_report.publish(payload, "chaos.json", args.out, WORK / "chaos-quick.json", "chaos")
 
 
 if __name__ == "__main__":

@@ -30,8 +30,6 @@ import os
 os.environ.setdefault("GOMP_SPINCOUNT", "20000")  # what `neuron-tai serve` uses
 
 import argparse
-import json
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from functools import partial
@@ -44,8 +42,9 @@ import trio
 from bench import chaos_failover_report as report
 from bench.chaos_drivers import held, node_stats
 from bench.chaos_faults import KINDS, Injector, Replica
+from bench.chaos_report import publish
 from bench.chaos_streams import StreamRun, run_streams
-from bench.common import WORK, command_line, shown, write_evidence
+from bench.common import WORK
 from bench.interrupts import run_main, run_until_interrupted
 from bench.netns import Star, open_star
 from bench.processes import Processes, free_ports, node_ready, open_processes, serve_command
@@ -213,18 +212,7 @@ def run_part(mode: str, out: Path | None) -> int:
                "plan": asdict(plan), "network": star.note, "model": "tiny-llama q4_k_m (testkit.models)",
                "passed": not found, "failures": found, **result}  # fmt: skip
     print(report.console(result))
-    if plan.mode == "full" and out is None:
-        path = write_evidence("chaos_failover.json", payload)
-    else:
-        path = out or WORK / "chaos-failover-quick.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"command": command_line(), **payload}, indent=1) + "\n")
-    say(f"wrote {shown(path)} in {payload['seconds']} s")
-    if found:
-        print("FAILED (failover):\n  " + "\n  ".join(found), file=sys.stderr)
-        return 1
-    print("chaos failover: passed")
-    return 0
+    return publish(payload, "chaos_failover.json", out, WORK / "chaos-failover-quick.json", "chaos failover")
 
 
 def main() -> int:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from bench.chaos_report import held_failures
+
 
 def recovery_figures(head: Mapping[str, Any] | None) -> dict[str, Any]:
     """The head's recovery counters, and the mean time one recovery took."""
@@ -42,12 +44,7 @@ def failures(result: Mapping[str, Any], kinds: tuple[str, ...]) -> list[str]:
     for f in result["faults"]:
         if not f["up_again"]:
             out.append(f"fault {f['fault']} ({f['kind']} {f['replica']}): the replica was not reported up again")
-    for name, h in result["after_lease"].items():
-        if h is None:
-            out.append(f"{name}: no stats after the lease")
-        elif h["sessions_held"]:
-            out.append(f"{name}: {h['sessions_held']} sessions still held one lease after the clients left ({h})")
-    return out
+    return out + held_failures(result["after_lease"])
 
 
 def console(result: Mapping[str, Any]) -> str:

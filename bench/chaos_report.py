@@ -1,12 +1,19 @@
-"""The chaos run's figures from its raw results, what fails it, and the console summary. Pure."""
+"""The chaos run's figures from its raw results, what fails it, and the console summary. Pure, but for
+`publish`, which writes a part's JSON and says its verdict."""
 
 from __future__ import annotations
 
+import json
+import sys
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from bench.common import command_line, shown, write_evidence
+from bench.progress import say
 
 # Classes whose every message must be answered (the others: the peer does not read, or leaves).
 ANSWERED = ("random_bytes", "deep_msgpack", "wide_msgpack", "huge_strings", "huge_frames", "out_of_range",
@@ -89,11 +96,7 @@ def failures(result: Mapping[str, Any], plan: Mapping[str, Any]) -> list[str]:
             out.append(f"{name}: valid sessions that did not complete: {v['failed']}")
         if not v["sessions"]:
             out.append(f"{name}: no valid session completed under attack")
-    for name, h in result["after_lease"].items():
-        if h is None:
-            out.append(f"{name}: no stats after the lease")
-        elif h["sessions_held"]:
-            out.append(f"{name}: {h['sessions_held']} sessions still held one lease after the clients left ({h})")
+    out += held_failures(result["after_lease"])
     for name, c in result["node_counters"].items():
         if c.get("messages_failed_total"):
             out.append(f"{name}: {c['messages_failed_total']} messages hit an unexpected fault (messages_failed_total)")
@@ -116,6 +119,33 @@ def failures(result: Mapping[str, Any], plan: Mapping[str, Any]) -> list[str]:
     out += malformed_failures(result["malformed_next"])
     out += restart_failures(result["tail_restart"])
     return out
+
+
+def held_failures(after_lease: Mapping[str, Mapping[str, Any] | None]) -> list[str]:
+    """Nodes that did not answer `stats` one lease after the clients left, or still held sessions."""
+    out = []
+    for name, h in after_lease.items():
+        if h is None:
+            out.append(f"{name}: no stats after the lease")
+        elif h["sessions_held"]:
+            out.append(f"{name}: {h['sessions_held']} sessions still held one lease after the clients left ({h})")
+    return out
+
+
+def publish(payload: dict[str, Any], evidence: str, out: Path | None, quick_path: Path, part: str) -> int:
+    """Write a part's JSON (a full run without `out`: into evidence/), say its verdict; its exit status."""
+    if payload["plan"]["mode"] == "full" and out is None:
+        path = write_evidence(evidence, payload)
+    else:
+        path = out or quick_path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"command": command_line(), **payload}, indent=1) + "\n")
+    say(f"wrote {shown(path)} in {payload['seconds']} s")
+    if payload["failures"]:
+        print(f"FAILED ({part}):\n  " + "\n  ".join(payload["failures"]), file=sys.stderr)
+        return 1
+    print(f"{part}: passed")
+    return 0
 
 
 def malformed_failures(m: Mapping[str, Any]) -> list[str]:
