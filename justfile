@@ -83,6 +83,6 @@ bench-multihost: bench-setup
 bench-gateway mode="full": bench-setup
     {{py}} -m bench gateway {{ if mode == "quick" { "--quick" } else { "" } }}
 
-# Hostile peers against a node and two chains while valid sessions generate (evidence/chaos.json; `quick`: under a minute, .bench/).
+# Hostile peers against a node and two chains while valid sessions generate (evidence/chaos.json), then replicas of a 3-stage chain killed, hung and cut off while 16 sessions generate (evidence/chaos_failover.json); `quick`: each part in under 90 s, .bench/.
 chaos mode="full": setup
     {{py}} -m bench.chaos {{mode}}

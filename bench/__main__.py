@@ -62,7 +62,8 @@ SUITES = {
                      "evidence/gateway.json"),
     "pipeline": Suite("bench.pipeline_evidence", (), None, "evidence/pipeline.json from the report and multihost"),
     "attach": Suite("bench.attach", (), None, "fold gateway and pipeline into the report"),
-    "chaos": Suite("bench.chaos", ("full",), ("quick",), "hostile peers against nodes and chains"),
+    "chaos": Suite("bench.chaos", ("full",), ("quick",), "hostile peers against nodes and chains; replicas "
+                   "killed, hung and cut off"),
     "compaction": Suite("bench.kv_compaction", (), None, "what one KV compaction costs"),
     "padding": Suite("bench.invariance_padding", ("--steps", "24", "--pads", "2,4,8"), None,
                      "decode-batch padding for batch invariance"),

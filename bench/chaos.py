@@ -23,8 +23,12 @@ did not complete, a session still held, a malformed reply not answered `downstre
 message never answered, or fewer hostile messages than the plan's minimum. Everything it
 starts is stopped on the way out, also on Ctrl-C or SIGTERM (exit 130).
 
-    python -m bench.chaos           # full, about 2 minutes: evidence/chaos.json
-    python -m bench.chaos quick     # under a minute: .bench/chaos-quick.json
+Then, unless `--part hostile`, the failover part runs in a process of its own
+(bench/chaos_failover.py): replicas of a 3-stage chain killed, hung and cut off while
+sessions generate. `--part failover` runs it alone. The exit status is 1 if either failed.
+
+    python -m bench.chaos           # full, about 2 minutes: evidence/chaos.json, then evidence/chaos_failover.json
+    python -m bench.chaos quick     # each part under 90 s: .bench/chaos-quick.json, .bench/chaos-failover-quick.json
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ os.environ.setdefault("GOMP_SPINCOUNT", "20000")  # what `neuron-tai serve` uses
 import argparse
 import json
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -58,7 +63,7 @@ from bench.chaos_drivers import (
     stats_peaks,
     valid_load,
 )
-from bench.common import WORK, command_line, shown, tiny_model, write_evidence
+from bench.common import WORK, shown, tiny_model
 from bench.hostile import Target
 from bench.interrupts import run_main, run_until_interrupted
 from bench.processes import Processes, free_ports, node_ready, open_processes, serve_command
@@ -103,26 +108,66 @@ class Plan:
     seed: int = 7
 
 
-FULL = Plan(mode="full", attack_s=90.0, lease_s=3.0,
-            quotas=(("garbage", 60_000), ("fields", 25_000), ("flood", 25_000), ("huge", 500), ("never_read", 32_000),
-                    ("vanish", 1200)),
-            oversize_per_target=2, valid_requests=6, valid_max_new=24,
-            valid_concurrency=3, valid_think_s=0.5, malformed_workers=2, kill_every_s=5.0, freeze_s=4.0, down_s=1.0,
-            min_hostile=100_000, quiet_s=5.0)  # fmt: skip
-QUICK = Plan(mode="quick", attack_s=15.0, lease_s=2.0,
-             quotas=(("garbage", 4000), ("fields", 2000), ("flood", 2000), ("huge", 40), ("never_read", 8000),
-                     ("vanish", 120)),
-             oversize_per_target=1, valid_requests=3, valid_max_new=12,
-             valid_concurrency=2, valid_think_s=0.2, malformed_workers=1, kill_every_s=1.0, freeze_s=3.5, down_s=0.5,
-             min_hostile=10_000, quiet_s=2.0)  # fmt: skip
+FULL = Plan(
+    mode="full",
+    attack_s=90.0,
+    lease_s=3.0,
+    quotas=(
+        ("garbage", 60_000),
+        ("fields", 25_000),
+        ("flood", 25_000),
+        ("huge", 500),
+        ("never_read", 32_000),
+        ("vanish", 1200),
+    ),
+    oversize_per_target=2,
+    valid_requests=6,
+    valid_max_new=24,
+    valid_concurrency=3,
+    valid_think_s=0.5,
+    malformed_workers=2,
+    kill_every_s=5.0,
+    freeze_s=4.0,
+    down_s=1.0,
+    min_hostile=100_000,
+    quiet_s=5.0,
+)
+QUICK = Plan(
+    mode="quick",
+    attack_s=15.0,
+    lease_s=2.0,
+    quotas=(("garbage", 4000), ("fields", 2000), ("flood", 2000), ("huge", 40), ("never_read", 8000), ("vanish", 120)),
+    oversize_per_target=1,
+    valid_requests=3,
+    valid_max_new=12,
+    valid_concurrency=2,
+    valid_think_s=0.2,
+    malformed_workers=1,
+    kill_every_s=1.0,
+    freeze_s=3.5,
+    down_s=0.5,
+    min_hostile=10_000,
+    quiet_s=2.0,
+)
 
 SINGLE, HEAD, TAIL, RESTART_HEAD, MALFORMED_HEAD, FAKE = (
-    "single", "chain-head", "chain-tail", "restart-head", "malformed-head", "fake-stage")  # fmt: skip
+    "single",
+    "chain-head",
+    "chain-tail",
+    "restart-head",
+    "malformed-head",
+    "fake-stage",
+)
 RESTART_TAIL = "restart-tail"
 ATTACKED = (SINGLE, HEAD, TAIL, RESTART_HEAD, MALFORMED_HEAD)
-ROLE_TARGETS = {"garbage": ATTACKED, "fields": ATTACKED, "flood": ATTACKED, "huge": ATTACKED,
-                "never_read": (SINGLE, HEAD, RESTART_HEAD, MALFORMED_HEAD),
-                "vanish": (SINGLE, HEAD, RESTART_HEAD, MALFORMED_HEAD)}  # fmt: skip
+ROLE_TARGETS = {
+    "garbage": ATTACKED,
+    "fields": ATTACKED,
+    "flood": ATTACKED,
+    "huge": ATTACKED,
+    "never_read": (SINGLE, HEAD, RESTART_HEAD, MALFORMED_HEAD),
+    "vanish": (SINGLE, HEAD, RESTART_HEAD, MALFORMED_HEAD),
+}
 
 
 def serve(model: Path, address: str, plan: Plan, *extra: str) -> list[str]:
@@ -249,10 +294,18 @@ async def targets(run: Run) -> dict[str, Target]:
         stats = await node_stats(run.addresses[name])
         if stats is None:
             raise RuntimeError(f"{name} does not answer `stats`")
-        out[name] = Target(name, run.addresses[name], first=name != TAIL, last=True, n_vocab=stage.n_vocab,
-                           n_embd=stage.n_embd, max_text_bytes=stats["max_text_bytes"],
-                           max_text_tokens=stats["max_text_tokens"], max_header_bytes=stats["max_header_bytes"],
-                           max_message_bytes=stats["max_message_bytes"])  # fmt: skip
+        out[name] = Target(
+            name,
+            run.addresses[name],
+            first=name != TAIL,
+            last=True,
+            n_vocab=stage.n_vocab,
+            n_embd=stage.n_embd,
+            max_text_bytes=stats["max_text_bytes"],
+            max_text_tokens=stats["max_text_tokens"],
+            max_header_bytes=stats["max_header_bytes"],
+            max_message_bytes=stats["max_message_bytes"],
+        )
     return out
 
 
@@ -267,8 +320,20 @@ async def valid_requests(run: Run) -> list[Request]:
 
 
 def peer_command(role: str, targets_file: Path, plan: Plan, quota: int, seed: int) -> list[str]:
-    cmd = [sys.executable, "-m", "bench.chaos_peer", role, "--targets", str(targets_file), "--seconds",
-           f"{plan.attack_s:g}", "--quota", str(quota), "--seed", str(seed)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.chaos_peer",
+        role,
+        "--targets",
+        str(targets_file),
+        "--seconds",
+        f"{plan.attack_s:g}",
+        "--quota",
+        str(quota),
+        "--seed",
+        str(seed),
+    ]
     if role == "huge":
         cmd += ["--oversize", str(plan.oversize_per_target)]
     if role == "never_read":
@@ -287,17 +352,29 @@ async def attack(run: Run, t0: float) -> None:
         files[role] = peers_dir / f"{role}.targets.json"
         files[role].write_text(json.dumps([asdict(nodes[n]) for n in names]))
     async with trio.open_nursery() as nursery:
-        probe_cmd = [sys.executable, "-m", "bench.chaos_peer", "probe", "--targets", str(files["probe"]),
-                     "--seconds", str(PROBE_MAX_S)]  # fmt: skip
+        probe_cmd = [
+            sys.executable,
+            "-m",
+            "bench.chaos_peer",
+            "probe",
+            "--targets",
+            str(files["probe"]),
+            "--seconds",
+            str(PROBE_MAX_S),
+        ]
         probe = await nursery.start(partial(run_peer, probe_cmd, peers_dir / "probe.json", peers_dir / "probe.log"))
         await trio.sleep(plan.quiet_s)  # the prober's pings of idle nodes: the latency the attack is compared with
         say(f"solo runs: {len(requests)} requests, {plan.valid_max_new} tokens each, alone on {SINGLE} and {HEAD}")
-        solo = {SINGLE: await solo_tokens(addresses[SINGLE], requests, "solo-single"),
-                HEAD: await solo_tokens(addresses[HEAD], requests, "solo-chain")}  # fmt: skip
+        solo = {
+            SINGLE: await solo_tokens(addresses[SINGLE], requests, "solo-single"),
+            HEAD: await solo_tokens(addresses[HEAD], requests, "solo-chain"),
+        }
         for track in run.tracks.values():
             track.before_mib = track.samples[-1][1] if track.samples else None
-        say(f"attack: {plan.attack_s:g} s, {sum(q for _, q in plan.quotas)} messages from "
-            f"{len(plan.quotas)} hostile peers, valid sessions on {SINGLE} and {HEAD}")  # fmt: skip
+        say(
+            f"attack: {plan.attack_s:g} s, {sum(q for _, q in plan.quotas)} messages from "
+            f"{len(plan.quotas)} hostile peers, valid sessions on {SINGLE} and {HEAD}"
+        )
         attack_start = time.time()
         stop = trio.Event()
         valid = {SINGLE: ValidRun(), HEAD: ValidRun()}
@@ -309,12 +386,22 @@ async def attack(run: Run, t0: float) -> None:
                 cmd = peer_command(role, files[role], plan, quota, plan.seed + seed)
                 await attackers.start(partial(run_peer, cmd, peers_dir / f"{role}.json", peers_dir / f"{role}.log"))
             for name in (SINGLE, HEAD):
-                attackers.start_soon(valid_load, addresses[name], requests, solo[name], stop, plan.valid_concurrency,
-                                     plan.valid_think_s, f"valid-{name}", valid[name])  # fmt: skip
+                attackers.start_soon(
+                    valid_load,
+                    addresses[name],
+                    requests,
+                    solo[name],
+                    stop,
+                    plan.valid_concurrency,
+                    plan.valid_think_s,
+                    f"valid-{name}",
+                    valid[name],
+                )
             settled = trio.Event()  # the restarted tail's last cycle is over
             attackers.start_soon(restart_load, addresses[RESTART_HEAD], prompt, stop, settled, t0, restarts)
-            attackers.start_soon(malformed_load, addresses[MALFORMED_HEAD], prompt, stop, plan.malformed_workers,
-                                 malformed)  # fmt: skip
+            attackers.start_soon(
+                malformed_load, addresses[MALFORMED_HEAD], prompt, stop, plan.malformed_workers, malformed
+            )
 
             async def cycle_tail() -> None:
                 try:
@@ -333,8 +420,10 @@ async def attack(run: Run, t0: float) -> None:
     left = trio.current_time()
     say(f"every client has left; waiting one lease ({plan.lease_s:g} s) and {LEASE_MARGIN_S:g} s")
     await trio.sleep_until(left + plan.lease_s + LEASE_MARGIN_S)
-    stats = {name: await node_stats(addresses[RESTART_TAIL if name == run.tail.name else name])
-             for name in (SINGLE, HEAD, TAIL, RESTART_HEAD, run.tail.name, MALFORMED_HEAD)}  # fmt: skip
+    stats = {
+        name: await node_stats(addresses[RESTART_TAIL if name == run.tail.name else name])
+        for name in (SINGLE, HEAD, TAIL, RESTART_HEAD, run.tail.name, MALFORMED_HEAD)
+    }
     now = time.monotonic() - t0
     for name, track in run.tracks.items():
         if name in run.procs.running and track.sample(now) is not None:
@@ -377,9 +466,13 @@ def restart_report(out: Outcomes, cycles: list[dict[str, Any]]) -> dict[str, Any
         ok = next((t + s for t, o, s in timeline if t >= c["ready_at"] and o == "ok"), None)
         c["first_ok_after_ready_s"] = None if ok is None else round(ok - c["ready_at"], 3)
     downstream = [s for _, o, s in timeline if o.endswith("downstream")]
-    return {**out.report(), "outcomes": dict(out.generates), "cycles": cycles,
-            "recovered_after_last_restart": bool(cycles) and cycles[-1]["first_ok_after_ready_s"] is not None,
-            "downstream_answer_s_max": round(max(downstream), 3) if downstream else None}  # fmt: skip
+    return {
+        **out.report(),
+        "outcomes": dict(out.generates),
+        "cycles": cycles,
+        "recovered_after_last_restart": bool(cycles) and cycles[-1]["first_ok_after_ready_s"] is not None,
+        "downstream_answer_s_max": round(max(downstream), 3) if downstream else None,
+    }
 
 
 def start_nodes(procs: Processes, plan: Plan, work: Path) -> tuple[dict[str, str], RestartedTail]:
@@ -429,9 +522,38 @@ def fake_counts(log: Path) -> dict[str, int]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("mode", nargs="?", choices=["full", "quick"], default="full")
-    parser.add_argument("--out", type=Path, help="where quick writes its JSON (default .bench/chaos-quick.json)")
+    parser.add_argument(
+        "--part",
+        choices=["both", "hostile", "failover"],
+        default="both",
+        help="hostile peers, failing replicas (bench/chaos_failover.py), or both in turn",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="where quick writes its JSON (default .bench/chaos-quick.json; "
+        "the failover part's goes beside it, named *-failover.json)",
+    )
     parser.add_argument("--attack-s", type=float, help="the attack's length, in seconds (the plan's by default)")
     args = parser.parse_args()
+    if args.part == "failover":
+        return failover_part(args.mode, args.out)
+    status = hostile_part(args)
+    if args.part == "both":
+        out = None if args.out is None else args.out.with_name(f"{args.out.stem}-failover.json")
+        status = max(status, failover_part(args.mode, out))
+    return status
+
+
+def failover_part(mode: str, out: Path | None) -> int:
+    """bench/chaos_failover.py in a process of its own: it moves into a network namespace, and the
+    client's ZeroMQ context (one per process, its I/O threads made with it) must be made there."""
+    cmd = [sys.executable, "-m", "bench.chaos_failover", mode, *(["--out", str(out)] if out else [])]
+    return subprocess.run(cmd, check=False).returncode
+
+
+def hostile_part(args: argparse.Namespace) -> int:
+    """The hostile peers' part: 0 when it passed."""
     plan = FULL if args.mode == "full" else QUICK
     if args.attack_s:
         plan = replace(plan, attack_s=args.attack_s)
@@ -448,8 +570,10 @@ def main() -> int:
     say(f"stopped every process: {stopped}")
     result = run.result
     result["memory"] = chaos_report.memory_rows(run.tracks, plan.rss_peak_mib, plan.rss_final_mib)
-    result["processes"] = [{"name": n, "pid": pid, "exit_status": rc, "killed_on_purpose": n in tail.killed}
-                           for n, (pid, rc) in procs.ended.items()]  # fmt: skip
+    result["processes"] = [
+        {"name": n, "pid": pid, "exit_status": rc, "killed_on_purpose": n in tail.killed}
+        for n, (pid, rc) in procs.ended.items()
+    ]
     result["crashes"] = [asdict(c) for c in procs.crashed.values()]
     result["fake_stage_replies"] = fake_counts(procs.log(FAKE))
     result["bench_errors"] = run.bench_errors
@@ -457,22 +581,18 @@ def main() -> int:
     result["hostile"] = {"classes": classes, "total": sum(c["sent"] for c in classes.values())}
     plan_row = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(plan).items()}
     found = chaos_report.failures(result, plan_row)
-    payload = {"started": started, "seconds": round(time.monotonic() - wall, 1), "plan": plan_row,
-               "topology": {name: shown(a) for name, a in addresses.items()}, "model": "tiny-llama (testkit.models)",
-               "passed": not found, "failures": found, **result}  # fmt: skip
+    payload = {
+        "started": started,
+        "seconds": round(time.monotonic() - wall, 1),
+        "plan": plan_row,
+        "topology": {name: shown(a) for name, a in addresses.items()},
+        "model": "tiny-llama (testkit.models)",
+        "passed": not found,
+        "failures": found,
+        **result,
+    }
     print(chaos_report.console(result))
-    if plan.mode == "full" and not args.out:
-        path = write_evidence("chaos.json", payload)
-    else:
-        path = args.out or WORK / "chaos-quick.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"command": command_line(), **payload}, indent=1) + "\n")
-    say(f"wrote {shown(path)} in {payload['seconds']} s")
-    if found:
-        print("FAILED:\n  " + "\n  ".join(found), file=sys.stderr)
-        return 1
-    print("chaos: passed")
-    return 0
+    return chaos_report.publish(payload, "chaos.json", args.out, WORK / "chaos-quick.json", "chaos")
 
 
 if __name__ == "__main__":

@@ -51,9 +51,15 @@ class ValidRun:
     busy_retries: int = 0
 
     def report(self) -> dict[str, Any]:
-        return {"sessions": self.sessions, "tokens": self.tokens, "mismatches": len(self.mismatches),
-                "mismatch_details": self.mismatches[:20], "failed": dict(self.failed),
-                "open_retries": self.open_retries, "busy_retries": self.busy_retries}  # fmt: skip
+        return {
+            "sessions": self.sessions,
+            "tokens": self.tokens,
+            "mismatches": len(self.mismatches),
+            "mismatch_details": self.mismatches[:20],
+            "failed": dict(self.failed),
+            "open_retries": self.open_retries,
+            "busy_retries": self.busy_retries,
+        }
 
 
 async def _one_valid(client: Client, req: Request, session: str, run: ValidRun) -> list[int] | None:
@@ -79,9 +85,15 @@ async def _one_valid(client: Client, req: Request, session: str, run: ValidRun) 
 
 
 async def valid_load(
-    address: str, requests: Sequence[Request], solo: dict[int, list[int]], stop: trio.Event, concurrency: int,
-    think_s: float, tag: str, run: ValidRun,
-) -> None:  # fmt: skip
+    address: str,
+    requests: Sequence[Request],
+    solo: dict[int, list[int]],
+    stop: trio.Event,
+    concurrency: int,
+    think_s: float,
+    tag: str,
+    run: ValidRun,
+) -> None:
     """`concurrency` workers each run the requests in turn, `think_s` apart, until `stop`; every result
     checked against `solo`."""
     async with open_client(address, timeout_s=60) as client:
@@ -98,8 +110,14 @@ async def valid_load(
                 run.tokens += len(tokens)
                 step = first_difference(solo[req.rid], tokens)
                 if step is not None:
-                    run.mismatches.append({"rid": req.rid, "step": step, "expected": solo[req.rid][step : step + 4],
-                                           "got": tokens[step : step + 4]})  # fmt: skip
+                    run.mismatches.append(
+                        {
+                            "rid": req.rid,
+                            "step": step,
+                            "expected": solo[req.rid][step : step + 4],
+                            "got": tokens[step : step + 4],
+                        }
+                    )
                 with trio.move_on_after(think_s):
                     await stop.wait()
 
@@ -124,8 +142,13 @@ class Outcomes:
         self.answer_s[outcome] = round(max(self.answer_s.get(outcome, 0.0), seconds), 3)
 
     def report(self) -> dict[str, Any]:
-        return {"sent": self.sent, "opens": dict(self.opens), "steps": dict(self.steps),
-                "generates": dict(self.generates), "longest_answer_s": self.answer_s}  # fmt: skip
+        return {
+            "sent": self.sent,
+            "opens": dict(self.opens),
+            "steps": dict(self.steps),
+            "generates": dict(self.generates),
+            "longest_answer_s": self.answer_s,
+        }
 
 
 async def _close_quietly(client: Client, session: str, out: Outcomes) -> None:
@@ -207,8 +230,9 @@ async def malformed_load(address: str, prompt: list[int], stop: trio.Event, work
                 for j in range(6):
                     started = trio.current_time()
                     out.sent += 1
-                    outcome = await _outcome(client.step(session, 0, tokens=prompt, out=("token", "logits")[j % 2]),
-                                             "result")  # fmt: skip
+                    outcome = await _outcome(
+                        client.step(session, 0, tokens=prompt, out=("token", "logits")[j % 2]), "result"
+                    )
                     out.note(out.steps, outcome, trio.current_time() - started)
                 started = trio.current_time()
                 out.sent += 1
@@ -220,8 +244,15 @@ async def malformed_load(address: str, prompt: list[int], stop: trio.Event, work
                 nursery.start_soon(worker, w)
 
 
-PEAK_KEYS = ("sessions_active", "sessions_waiting", "handlers_active", "queue_depth", "kv_cells_reserved",
-             "kv_cells_held", "text_pending_bytes")  # fmt: skip
+PEAK_KEYS = (
+    "sessions_active",
+    "sessions_waiting",
+    "handlers_active",
+    "queue_depth",
+    "kv_cells_reserved",
+    "kv_cells_held",
+    "text_pending_bytes",
+)
 
 
 async def stats_peaks(address: str, stop: trio.Event, peaks: dict[str, int], period_s: float = 1.0) -> None:
@@ -241,9 +272,19 @@ async def stats_peaks(address: str, stop: trio.Event, peaks: dict[str, int], per
 
 
 HELD_KEYS = ("sessions_active", "sessions_waiting", "kv_cells_reserved", "kv_cells_held", "kv_cells_used")
-COUNTERS = ("errors_total", "peers_gone_total", "leases_expired_total", "messages_failed_total",
-            "handlers_refused_total", "admissions_rejected_total", "cleanups_pending", "kv_compactions_total",
-            "kv_compactions_failed_total", "kv_cells_reclaimed_total", "kv_sessions_lost_total")  # fmt: skip
+COUNTERS = (
+    "errors_total",
+    "peers_gone_total",
+    "leases_expired_total",
+    "messages_failed_total",
+    "handlers_refused_total",
+    "admissions_rejected_total",
+    "cleanups_pending",
+    "kv_compactions_total",
+    "kv_compactions_failed_total",
+    "kv_cells_reclaimed_total",
+    "kv_sessions_lost_total",
+)
 
 
 async def node_stats(address: str) -> dict[str, Any] | None:

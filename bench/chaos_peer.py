@@ -103,8 +103,17 @@ def dealer(ctx: Ctx, address: str, **options: int) -> zmq.Socket[bytes]:
 class Channel:
     """One connection to one target for one class: paced sends, a window of unanswered ones, every reply tallied."""
 
-    def __init__(self, ctx: Ctx, target: Target, cls: str, quota: int, window: int, build: Callable[[int], Frames],
-                 *, answered: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self,
+        ctx: Ctx,
+        target: Target,
+        cls: str,
+        quota: int,
+        window: int,
+        build: Callable[[int], Frames],
+        *,
+        answered: bool = True,
+    ) -> None:
         self.sock = dealer(ctx, target.address)
         self.target = target
         self.cls = cls
@@ -228,8 +237,10 @@ def summary(channels: list[Channel], extra: dict[str, Tally] | None = None) -> d
         per_target[f"{ch.cls}@{ch.target.name}"] += ch.tally.sent
     for cls, tally in (extra or {}).items():
         classes.setdefault(cls, Tally()).add(tally)
-    return {"classes": {c: {**asdict(t), "replies": dict(t.replies)} for c, t in classes.items()},
-            "sent_per_target": dict(per_target)}  # fmt: skip
+    return {
+        "classes": {c: {**asdict(t), "replies": dict(t.replies)} for c, t in classes.items()},
+        "sent_per_target": dict(per_target),
+    }
 
 
 # -- roles -------------------------------------------------------------------------------
@@ -244,11 +255,14 @@ def _always(frames: Frames) -> Callable[[int], Frames]:
     return lambda _i: frames
 
 
-def _builder_channels(ctx: Ctx, targets: list[Target], shares: dict[str, float], quota: int, window: int,
-                      rng: random.Random) -> list[Channel]:  # fmt: skip
+def _builder_channels(
+    ctx: Ctx, targets: list[Target], shares: dict[str, float], quota: int, window: int, rng: random.Random
+) -> list[Channel]:
     """A channel per class (a `hostile.BUILDERS` name) and target, the quota split by `shares`."""
-    return [Channel(ctx, t, cls, q, window, _built(hostile.BUILDERS[cls], rng, t))
-            for (cls, t), q in split(quota, shares, targets).items()]  # fmt: skip
+    return [
+        Channel(ctx, t, cls, q, window, _built(hostile.BUILDERS[cls], rng, t))
+        for (cls, t), q in split(quota, shares, targets).items()
+    ]
 
 
 def role_garbage(ctx: Ctx, targets: list[Target], seconds: float, quota: int, rng: random.Random) -> dict[str, Any]:
@@ -290,8 +304,9 @@ def role_flood(ctx: Ctx, targets: list[Target], seconds: float, quota: int, _rng
     return summary(channels)
 
 
-def role_huge(ctx: Ctx, targets: list[Target], seconds: float, quota: int, rng: random.Random,
-              oversize: int) -> dict[str, Any]:  # fmt: skip
+def role_huge(
+    ctx: Ctx, targets: list[Target], seconds: float, quota: int, rng: random.Random, oversize: int
+) -> dict[str, Any]:
     channels = _builder_channels(ctx, targets, {"huge_strings": 0.6, "huge_frames": 0.4}, quota, 1, rng)
     big = {t.max_message_bytes: hostile.oversize_frame(t) for t in targets}  # one buffer per size, reused
     for t in targets:
@@ -300,8 +315,9 @@ def role_huge(ctx: Ctx, targets: list[Target], seconds: float, quota: int, rng: 
     return summary(channels)
 
 
-def role_never_read(ctx: Ctx, targets: list[Target], seconds: float, quota: int, _rng: random.Random,
-                    per_connection: int) -> dict[str, Any]:  # fmt: skip
+def role_never_read(
+    ctx: Ctx, targets: list[Target], seconds: float, quota: int, _rng: random.Random, per_connection: int
+) -> dict[str, Any]:
     """Connections that open two sessions, then send `stats` without ever reading: the node parks
     their replies and, past its limit, treats them as gone and frees their sessions."""
     tally = Tally()

@@ -1,16 +1,33 @@
-"""The chaos run's figures from its raw results, what fails it, and the console summary. Pure."""
+"""The chaos run's figures from its raw results, what fails it, and the console summary. Pure, but for
+`publish`, which writes a part's JSON and says its verdict."""
 
 from __future__ import annotations
 
+import json
+import sys
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from bench.common import command_line, shown, write_evidence
+from bench.progress import say
+
 # Classes whose every message must be answered (the others: the peer does not read, or leaves).
-ANSWERED = ("random_bytes", "deep_msgpack", "wide_msgpack", "huge_strings", "huge_frames", "out_of_range",
-            "flood_ping", "flood_stats", "flood_close", "flood_open")  # fmt: skip
+ANSWERED = (
+    "random_bytes",
+    "deep_msgpack",
+    "wide_msgpack",
+    "huge_strings",
+    "huge_frames",
+    "out_of_range",
+    "flood_ping",
+    "flood_stats",
+    "flood_close",
+    "flood_open",
+)
 CLASS_ORDER = (*ANSWERED, "never_read", "vanish", "tail_restart", "malformed_next")
 
 
@@ -38,12 +55,18 @@ def latency(values: Sequence[float | None]) -> dict[str, Any]:
     lost = sum(v is None for v in values)
     if not len(got):
         return {"pings": 0, "lost": lost}
-    return {"pings": len(got), "lost": lost, "p50_ms": round(float(np.percentile(got, 50)), 2),
-            "p99_ms": round(float(np.percentile(got, 99)), 2), "max_ms": round(float(got.max()), 2)}  # fmt: skip
+    return {
+        "pings": len(got),
+        "lost": lost,
+        "p50_ms": round(float(np.percentile(got, 50)), 2),
+        "p99_ms": round(float(np.percentile(got, 99)), 2),
+        "max_ms": round(float(got.max()), 2),
+    }
 
 
-def ping_phases(samples: Mapping[str, Sequence[Sequence[float | None]]], attack: tuple[float, float]
-                ) -> dict[str, dict[str, Any]]:  # fmt: skip
+def ping_phases(
+    samples: Mapping[str, Sequence[Sequence[float | None]]], attack: tuple[float, float]
+) -> dict[str, dict[str, Any]]:
     """Each node's ping latency before the attack (idle, then the solo runs) and under it, by wall-clock time sent."""
     start, end = attack
     out = {}
@@ -60,10 +83,14 @@ def memory_rows(tracks: Mapping[str, Any], peak_bound: float, final_bound: float
     out = {}
     for name, t in tracks.items():
         step = max(1, len(t.samples) // 40)
-        out[name] = {"pid": t.pid, "before_attack_mib": t.before_mib, "peak_mib": t.peak_mib,
-                     "final_mib": t.final_mib,
-                     "within_bound": (t.peak_mib or 0) <= peak_bound and (t.final_mib or 0) <= final_bound,
-                     "series_mib": t.samples[::step]}  # fmt: skip
+        out[name] = {
+            "pid": t.pid,
+            "before_attack_mib": t.before_mib,
+            "peak_mib": t.peak_mib,
+            "final_mib": t.final_mib,
+            "within_bound": (t.peak_mib or 0) <= peak_bound and (t.final_mib or 0) <= final_bound,
+            "series_mib": t.samples[::step],
+        }
     return out
 
 
@@ -72,16 +99,21 @@ def failures(result: Mapping[str, Any], plan: Mapping[str, Any]) -> list[str]:
     out = []
     if result["crashes"]:
         out.append("crashed: " + ", ".join(f"{c['name']} ({c['reason']})" for c in result["crashes"]))
-    unclean = [f"{p['name']} ({p['exit_status']})" for p in result["processes"]
-               if not p["killed_on_purpose"] and p["exit_status"] not in (0, None)]  # fmt: skip
+    unclean = [
+        f"{p['name']} ({p['exit_status']})"
+        for p in result["processes"]
+        if not p["killed_on_purpose"] and p["exit_status"] not in (0, None)
+    ]
     if unclean:
         out.append("did not stop cleanly on SIGTERM: " + ", ".join(unclean))
     for problem in result.get("bench_errors", []):
         out.append(f"bench: {problem}")
     for name, m in result["memory"].items():
         if not m["within_bound"]:
-            out.append(f"{name}: memory peak {m['peak_mib']} MiB (bound {plan['rss_peak_mib']}), final "
-                       f"{m['final_mib']} MiB (bound {plan['rss_final_mib']})")  # fmt: skip
+            out.append(
+                f"{name}: memory peak {m['peak_mib']} MiB (bound {plan['rss_peak_mib']}), final "
+                f"{m['final_mib']} MiB (bound {plan['rss_final_mib']})"
+            )
     for name, v in result["valid"].items():
         if v["mismatches"]:
             out.append(f"{name}: {v['mismatches']} valid sessions differ from their solo runs")
@@ -89,11 +121,7 @@ def failures(result: Mapping[str, Any], plan: Mapping[str, Any]) -> list[str]:
             out.append(f"{name}: valid sessions that did not complete: {v['failed']}")
         if not v["sessions"]:
             out.append(f"{name}: no valid session completed under attack")
-    for name, h in result["after_lease"].items():
-        if h is None:
-            out.append(f"{name}: no stats after the lease")
-        elif h["sessions_held"]:
-            out.append(f"{name}: {h['sessions_held']} sessions still held one lease after the clients left ({h})")
+    out += held_failures(result["after_lease"])
     for name, c in result["node_counters"].items():
         if c.get("messages_failed_total"):
             out.append(f"{name}: {c['messages_failed_total']} messages hit an unexpected fault (messages_failed_total)")
@@ -116,6 +144,33 @@ def failures(result: Mapping[str, Any], plan: Mapping[str, Any]) -> list[str]:
     out += malformed_failures(result["malformed_next"])
     out += restart_failures(result["tail_restart"])
     return out
+
+
+def held_failures(after_lease: Mapping[str, Mapping[str, Any] | None]) -> list[str]:
+    """Nodes that did not answer `stats` one lease after the clients left, or still held sessions."""
+    out = []
+    for name, h in after_lease.items():
+        if h is None:
+            out.append(f"{name}: no stats after the lease")
+        elif h["sessions_held"]:
+            out.append(f"{name}: {h['sessions_held']} sessions still held one lease after the clients left ({h})")
+    return out
+
+
+def publish(payload: dict[str, Any], evidence: str, out: Path | None, quick_path: Path, part: str) -> int:
+    """Write a part's JSON (a full run without `out`: into evidence/), say its verdict; its exit status."""
+    if payload["plan"]["mode"] == "full" and out is None:
+        path = write_evidence(evidence, payload)
+    else:
+        path = out or quick_path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"command": command_line(), **payload}, indent=1) + "\n")
+    say(f"wrote {shown(path)} in {payload['seconds']} s")
+    if payload["failures"]:
+        print(f"FAILED ({part}):\n  " + "\n  ".join(payload["failures"]), file=sys.stderr)
+        return 1
+    print(f"{part}: passed")
+    return 0
 
 
 def malformed_failures(m: Mapping[str, Any]) -> list[str]:
@@ -157,11 +212,15 @@ def console(result: Mapping[str, Any]) -> str:
     lines.append("ping ms, before attack p99 -> under attack p50 / p99 / max (lost):")
     for name, p in result["ping"].items():
         a, b = p["before_attack"], p["under_attack"]
-        lines.append(f"  {name:<15} {a.get('p99_ms')} -> {b.get('p50_ms')} / {b.get('p99_ms')} / {b.get('max_ms')} "
-                     f"({b.get('lost')})")  # fmt: skip
+        lines.append(
+            f"  {name:<15} {a.get('p99_ms')} -> {b.get('p50_ms')} / {b.get('p99_ms')} / {b.get('max_ms')} "
+            f"({b.get('lost')})"
+        )
     for name, v in result["valid"].items():
-        lines.append(f"valid sessions on {name}: {v['sessions']} ({v['tokens']} tokens), mismatches {v['mismatches']}, "
-                     f"failed {v['failed'] or 0}, open retries {v['open_retries']}")  # fmt: skip
+        lines.append(
+            f"valid sessions on {name}: {v['sessions']} ({v['tokens']} tokens), mismatches {v['mismatches']}, "
+            f"failed {v['failed'] or 0}, open retries {v['open_retries']}"
+        )
     held = {n: (h or {}).get("sessions_held") for n, h in result["after_lease"].items()}
     lines.append(f"sessions held one lease after the clients left: {held}")
     r = result["tail_restart"]

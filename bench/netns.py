@@ -11,6 +11,7 @@ same hosts on loopback, each process still pinned to its own core.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import ipaddress
 import os
 import shutil
@@ -164,3 +165,112 @@ def open_topology(
     finally:
         for error in _teardown(undo):
             print(f"multihost: teardown: {error}", file=sys.stderr, flush=True)
+
+
+CLONE_NEWNET = 0x40000000
+STAR_SUBNET = ipaddress.IPv4Network("10.78.0.0/24")  # the hub is .1, leaf i is .(10 + i)
+
+
+def _enter(path: str) -> None:
+    """Move the calling thread (the main thread, before any other starts) into the namespace at `path`."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if ctypes.CDLL(None, use_errno=True).setns(fd, CLONE_NEWNET) != 0:
+            raise TopologyError(f"setns {path}: {os.strerror(ctypes.get_errno())}")
+    finally:
+        os.close(fd)
+
+
+@dataclass(slots=True)
+class Star:
+    """A hub namespace (the caller's own while the block runs) and leaf namespaces, each on one veth
+    into the hub's bridge: a leaf's link can be taken down and up alone, as a machine's cable."""
+
+    leaves: tuple[str, ...]
+    tag: str
+    isolated: bool
+    note: str
+
+    def namespace(self, leaf: str) -> str:
+        return f"nt-{self.tag}-{leaf}"
+
+    @property
+    def hub(self) -> str:
+        return f"nt-{self.tag}-hub"
+
+    def veth(self, leaf: str) -> str:
+        return f"nt{self.tag}{self.leaves.index(leaf)}"  # at most 15 characters, the kernel's limit
+
+    def address(self, leaf: str | None) -> str:
+        """Where `leaf` (None: the hub, where the caller is) listens."""
+        if not self.isolated:
+            return "127.0.0.1"
+        return str(STAR_SUBNET[1 if leaf is None else 10 + self.leaves.index(leaf)])
+
+    def command(self, leaf: str | None, cmd: Sequence[str]) -> list[str]:
+        if not self.isolated or leaf is None:
+            return list(cmd)
+        return ["ip", "netns", "exec", self.namespace(leaf), *cmd]
+
+    def set_link(self, leaf: str, up: bool) -> None:
+        """Take `leaf`'s only link down (its end inside the leaf) or up again."""
+        _ip("-n", self.namespace(leaf), "link", "set", self.veth(leaf), "up" if up else "down")
+
+
+def _build_star(star: Star, undo: list[list[str]]) -> None:
+    """The hub with a bridge, then each leaf: a veth pair made in the hub, one end moved into the leaf."""
+    _ip("netns", "add", star.hub)
+    undo.append(["netns", "del", star.hub])
+    hub = ["-n", star.hub]
+    _ip(*hub, "link", "set", "lo", "up")
+    _ip(*hub, "link", "add", "br0", "type", "bridge")
+    _ip(*hub, "addr", "add", f"{star.address(None)}/{STAR_SUBNET.prefixlen}", "dev", "br0")
+    _ip(*hub, "link", "set", "br0", "up")
+    for leaf in star.leaves:
+        ns, end = star.namespace(leaf), star.veth(leaf)
+        _ip("netns", "add", ns)
+        undo.append(["netns", "del", ns])
+        _ip("-n", ns, "link", "set", "lo", "up")
+        _ip(*hub, "link", "add", f"{end}h", "type", "veth", "peer", "name", end)
+        _ip(*hub, "link", "set", end, "netns", ns)
+        _ip(*hub, "link", "set", f"{end}h", "master", "br0", "up")
+        _ip("-n", ns, "addr", "add", f"{star.address(leaf)}/{STAR_SUBNET.prefixlen}", "dev", end)
+        _ip("-n", ns, "link", "set", end, "up")
+
+
+@contextlib.contextmanager
+def open_star(leaves: Sequence[str], tag: str) -> Iterator[Star]:
+    """A star of namespaces with this process inside the hub for the block (call it from the main
+    thread before any other thread starts); every namespace removed on leaving, whatever ends the
+    block. Where namespaces cannot be made, the same leaves on loopback (`isolated` False).
+
+    Stop every process started in a leaf before leaving: a namespace with a process still in
+    it outlives `ip netns del`."""
+    star = Star(tuple(leaves), tag, isolated=True, note="")
+    why = namespaces_unavailable()
+    undo: list[list[str]] = []
+    home = os.open("/proc/self/ns/net", os.O_RDONLY)
+    entered = False
+    try:
+        if why is None:
+            try:
+                _build_star(star, undo)
+                _enter(f"/run/netns/{star.hub}")
+                entered = True
+            except TopologyError as exc:
+                why = str(exc)
+        if why is not None:
+            star.isolated = False
+            star.note = f"network namespaces unavailable ({why}): every node on loopback, no link cut"
+            print(f"chaos: {star.note}", file=sys.stderr, flush=True)
+        else:
+            star.note = f"hub {star.hub} (bridge br0, {star.address(None)}); leaves " + ", ".join(
+                f"{star.namespace(leaf)} {star.address(leaf)}" for leaf in leaves
+            )
+        yield star
+    finally:
+        if entered:
+            _enter(f"/proc/self/fd/{home}")
+        os.close(home)
+        for error in _teardown(undo):
+            print(f"chaos: teardown: {error}", file=sys.stderr, flush=True)

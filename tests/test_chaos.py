@@ -147,7 +147,7 @@ def test_the_fake_stage_opens_every_other_session_validly() -> None:
 def test_quick_chaos_run_passes_every_criterion_and_stops_everything(tmp_path: Path) -> None:
     out = tmp_path / "chaos.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.chaos", "quick", "--out", str(out)],
+        [sys.executable, "-m", "bench.chaos", "quick", "--part", "hostile", "--out", str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,
