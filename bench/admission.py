@@ -43,7 +43,7 @@ async def burst(address: str, requests: Sequence[Request]) -> dict[str, Any]:
             try:
                 done.append(await generate(client, req, f"burst-{req.rid}", busy=busy))
             except OpenRefused as exc:
-                refused[exc.code] += 1
+                refused[str(exc.code)] += 1
 
         async with trio.open_nursery() as nursery:
             for req in requests:

@@ -72,7 +72,7 @@ async def _one_valid(client: Client, req: Request, session: str, run: ValidRun) 
             await trio.sleep(0.05)
             continue
         except NodeError as exc:
-            run.failed[exc.code] += 1
+            run.failed[str(exc.code)] += 1
             return None
         except (TimeoutError, ClientClosed):
             run.failed["timeout"] += 1

@@ -98,7 +98,7 @@ async def one_session(client: Client, req: Request, name: str, run: StreamRun) -
         await _open(client, name, len(req.prompt) + req.max_new + 1, run)
         tokens, gap = await _stream(client, name, req, run)
     except NodeError as exc:
-        run.lost[exc.code] += 1
+        run.lost[str(exc.code)] += 1
         return
     except (TimeoutError, ClientClosed):
         run.lost["timeout"] += 1
