@@ -162,7 +162,7 @@ async def _outcome(call: Awaitable[object], ok: str = "ok") -> str:
     try:
         await call
     except NodeError as exc:
-        return exc.code
+        return str(exc.code)
     except (TimeoutError, ClientClosed):
         return "timeout"
     return ok

@@ -75,7 +75,7 @@ async def generate(
     try:
         await client.open(session, req.max_tokens, wait_ms=WAIT_MS)
     except NodeError as exc:
-        raise OpenRefused(exc.code, str(exc)) from exc
+        raise OpenRefused(str(exc.code), str(exc)) from exc
     if isinstance(client, GeneratingClient) and forced is None and on_logits is None:
         try:  # the node runs the token loop: no round trip per token; resent only if refused before a token
             await _retry_busy(lambda: _generate_on_node(client, req, session, trace), busy, lambda: not trace.tokens)
