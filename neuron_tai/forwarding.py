@@ -67,6 +67,10 @@ class Forwarder:
     async def open(self, peer: bytes, req: wire.Open, stage: Stage) -> Stage | Fault:
         """Open the session on the next stage: the chain's stage seen from here, or why not."""
         fwd = forwarded_session(peer, req.session)
+        if self.opens.pop((peer, req.session), None) is not None:
+            # The same session closed and opened again before its end was read from the engine:
+            # what is left of the old one below is closed first (queued ahead of this open).
+            self.replicas.release(fwd)
         request = replace(req, rid=0, session=fwd)
         reply = await self.replicas.open(fwd, request)
         if reply is None:

@@ -154,7 +154,8 @@ class Generations:
         """The session keeps every token streamed before the error; `length` says where it stands."""
         if not self._stream(peer, req, progress, flush=True):
             return
-        run.length = progress.pos if progress.produced else (self.engine.length_of(peer, req.session) or 0)
+        # Where the session stands now: after a failed recovery that is where its replay stopped.
+        run.length = self.engine.length_of(peer, req.session) or 0
         self.outbox.send(peer, wire.encode_reply(wire.ErrorReply.of(fault, req.rid, req.session, run.length)))
 
     def _done(

@@ -98,13 +98,19 @@ class Recovery(Generic[T]):
         started = trio.current_time()
         log.warning("session %r lost its route (%s): recovering", req.session, broken.fault.message)
         outcome: T | Fault | BrokenRoute = broken
-        with trio.move_on_after(self.deadline_s):
-            for attempt in range(self.attempts):
-                if attempt:
-                    await trio.sleep(min(0.25 * 2**attempt, 2.0))
-                outcome = await self._attempt(peer, req)
-                if not isinstance(outcome, BrokenRoute):
-                    break
+        deadline = started + self.deadline_s
+        # The deadline is checked between attempts, never inside one: an attempt cancelled
+        # midway would leave an open in flight below, or its replay step in the head's engine
+        # (which frees a session whose requester stops waiting). Each call below is bounded
+        # by the link's own timeout.
+        for attempt in range(self.attempts):
+            if attempt:
+                await trio.sleep(min(0.25 * 2**attempt, 2.0, max(0.0, deadline - trio.current_time())))
+            if trio.current_time() >= deadline:
+                break
+            outcome = await self._attempt(peer, req)
+            if not isinstance(outcome, BrokenRoute):
+                break
         elapsed = trio.current_time() - started
         if isinstance(outcome, BrokenRoute):
             self.stats.failed += 1

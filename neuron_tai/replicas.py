@@ -28,6 +28,7 @@ from transport import wire
 log = logging.getLogger("neuron_tai.replicas")
 
 _FAILED_CODES = frozenset({ErrorCode.DOWNSTREAM, ErrorCode.INTERNAL})
+PROBE_RETRY_S = 1.0  # between probes of a connected replica that did not answer one
 
 
 def identity(opened: wire.Opened) -> tuple[str, tuple[int, int], str]:
@@ -78,7 +79,12 @@ class Replicas:
         while (index := self.book.choose(trio.current_time(), self._connected(), frozenset(tried))) is not None:
             tried.add(index)
             self.book.place(index)  # counted before the reply: opens at once spread over the replicas
-            reply = await self.links[index].call(request)
+            try:
+                reply = await self.links[index].call(request)
+            except BaseException:  # cancelled: the open may still land there; its close follows it
+                self.book.release(index)
+                self.links[index].close_soon(session)
+                raise
             if self._failed(index, reply) or reply is None:
                 self.book.release(index)
                 continue
@@ -131,8 +137,15 @@ class Replicas:
                 continue
             self.checked[index] = False
             seen = link.disconnects
-            self.checked[index] = await self._probe(index)
+            passed = False
+            while link.connected:
+                passed = await self._probe(index)
+                if passed or self.book.records[index].mismatch:
+                    break
+                await trio.sleep(PROBE_RETRY_S)  # no answer yet (still loading its model?): ask again
+            self.checked[index] = link.connected and passed
             if self.checked[index]:
+                self.book.matched(index)  # a fresh start: no backoff left from before
                 self._checked.set()
 
     async def _probe(self, index: int) -> bool:
@@ -152,7 +165,6 @@ class Replicas:
         address, theirs = self.links[index].address, identity(opened)
         if self.reference is None or theirs == self.reference:
             self.reference = theirs
-            self.book.matched(index)
             return True
         else:
             log.error("replica %s serves %s where the others serve %s: not used", address, theirs, self.reference)

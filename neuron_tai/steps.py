@@ -137,7 +137,10 @@ class StepRunner:
                 self.engine.count_error(outcome.fault.code)
                 return outcome.fault
             outcome = await self.recovery.recover(peer, req, outcome)
-        if self.recovery is not None and isinstance(outcome, StepOutcome) and req.tokens is not None:
+        went_through = isinstance(outcome, StepOutcome) and req.tokens is not None
+        still_open = self.engine.max_tokens_of(peer, req.session) is not None  # not freed while it was below
+        if self.recovery is not None and went_through and still_open:
+            assert req.tokens is not None
             self.recovery.histories.record((peer, req.session), req.pos, req.tokens)
         return outcome
 
