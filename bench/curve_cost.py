@@ -29,24 +29,12 @@ from pathlib import Path
 import trio
 
 from bench.common import PROMPT_TEXTS, WORK, bench_model, paired_ratio, table
-from bench.processes import Processes, free_ports, node_ready, open_processes, serve_command
+from bench.processes import SWEEP_SERVE, Processes, free_ports, node_ready, open_processes, serve_command
 from neuron_tai.client import Client, open_client
 from neuron_tai.security import create_key_pair
 from neuron_tai.shard import read_model_layers, stage_bounds, write_stages
 
 CONCURRENCY = 8
-SERVE = [
-    "--max-sessions",
-    "8",
-    "--kv-cells",
-    "4096",
-    "--n-batch",
-    "512",
-    "--max-prefill",
-    "64",
-    "--log-level",
-    "warning",
-]
 COLUMNS = ["system", "plain_tok_s", "curve_tok_s", "ratio"]
 
 ClientKeys = tuple[str, str] | None  # (the node's public key, the client's key pair), or plain
@@ -77,7 +65,7 @@ class Keys:
 
 def start(procs: Processes, name: str, model: Path, threads: int, extra: list[str]) -> str:
     address = f"tcp://127.0.0.1:{free_ports(1)[0]}"
-    procs.start(name, serve_command(model, address, threads=threads, flags=[*SERVE, *extra]), node_ready)
+    procs.start(name, serve_command(model, address, threads=threads, flags=[*SWEEP_SERVE, *extra]), node_ready)
     return address
 
 
@@ -179,7 +167,7 @@ def main() -> int:
         "steps": args.steps,
         "reps": args.reps,
         "chain2_layers": [list(s) for s in split],
-        "serve_flags": SERVE,
+        "serve_flags": SWEEP_SERVE,
         "tok_s_runs": {s: {k: [round(x, 2) for x in v] for k, v in kinds.items()} for s, kinds in runs.items()},
         "rows": rows,
         "node_exit_status": stopped,

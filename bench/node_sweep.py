@@ -33,7 +33,7 @@ from bench.common import (
 )
 from bench.engine_sweep import run_sessions
 from bench.node_driver import closed_loop
-from bench.processes import free_ports, node_ready, open_processes, serve_command
+from bench.processes import SWEEP_SERVE, free_ports, node_ready, open_processes, serve_command
 from bench.workload import Request
 from engine.config import EngineConfig
 from engine.engine import open_engine
@@ -41,22 +41,10 @@ from neuron_tai.client import open_client
 from neuron_tai.shard import read_model_layers, stage_bounds, write_stages
 
 COLUMNS = ["setup", "concurrency", "agg_tok_s", "engine_tok_s", "ratio"]
-SERVE = [
-    "--max-sessions",
-    "8",
-    "--kv-cells",
-    "4096",
-    "--n-batch",
-    "512",
-    "--max-prefill",
-    "64",
-    "--log-level",
-    "warning",
-]
 
 
 def node_command(model: Path, address: str, threads: int, extra: list[str]) -> list[str]:
-    return serve_command(model, address, threads=threads, flags=[*SERVE, *extra])
+    return serve_command(model, address, threads=threads, flags=[*SWEEP_SERVE, *extra])
 
 
 async def over_zmq(address: str, prompts: list[list[int]], steps: int) -> float:

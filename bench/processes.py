@@ -251,6 +251,21 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+# The node flags the sweeps share: 8 sessions, 4096 cells, 512-row batches, 64 prefill rows.
+SWEEP_SERVE = [
+    "--max-sessions",
+    "8",
+    "--kv-cells",
+    "4096",
+    "--n-batch",
+    "512",
+    "--max-prefill",
+    "64",
+    "--log-level",
+    "warning",
+]
+
+
 def serve_command(model: Path, address: str, *, threads: int, flags: Sequence[str] = ()) -> list[str]:
     """The command line of every node the bench starts: `neuron-tai serve MODEL --bind ADDRESS --threads N FLAGS`."""
     return [
