@@ -35,18 +35,22 @@ Key = tuple[bytes, str]
 
 
 class Histories:
-    """Every open session's tokens by position: bounded by its `max_tokens`, freed with it."""
+    """Every open session's tokens by position: bounded by its `max_tokens`, freed with it.
+
+    Kept as lists that a step extends in place (it runs on the head's token path once per
+    step): a rewind cuts the tail, an append costs the step's own tokens, never the history."""
 
     def __init__(self) -> None:
-        self.tokens: dict[Key, npt.NDArray[np.int32]] = {}
+        self.tokens: dict[Key, list[int]] = {}
 
     def record(self, key: Key, pos: int, tokens: npt.NDArray[np.int32]) -> None:
         """A step at `pos` went through: the history is what came before it, then its tokens."""
-        kept = self.tokens.get(key, np.empty(0, np.int32))[:pos]
-        self.tokens[key] = np.concatenate([kept, np.asarray(tokens, np.int32)])
+        history = self.tokens.setdefault(key, [])
+        del history[pos:]
+        history.extend(int(t) for t in tokens)
 
     def before(self, key: Key, pos: int) -> npt.NDArray[np.int32]:
-        return self.tokens.get(key, np.empty(0, np.int32))[:pos]
+        return np.array(self.tokens.get(key, [])[:pos], np.int32)
 
     def forget(self, key: Key) -> None:
         self.tokens.pop(key, None)

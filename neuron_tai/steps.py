@@ -137,12 +137,14 @@ class StepRunner:
                 self.engine.count_error(outcome.fault.code)
                 return outcome.fault
             outcome = await self.recovery.recover(peer, req, outcome)
-        went_through = isinstance(outcome, StepOutcome) and req.tokens is not None
-        still_open = self.engine.max_tokens_of(peer, req.session) is not None  # not freed while it was below
-        if self.recovery is not None and went_through and still_open:
-            assert req.tokens is not None
-            self.recovery.histories.record((peer, req.session), req.pos, req.tokens)
+        if self.recovery is not None and isinstance(outcome, StepOutcome) and req.tokens is not None:
+            self._remember(peer, req.session, req.pos, req.tokens)
         return outcome
+
+    def _remember(self, peer: bytes, session: str, pos: int, tokens: npt.NDArray[np.int32]) -> None:
+        """Keep a step's tokens for recovery, unless the session was freed while it was below."""
+        if self.recovery is not None and self.engine.max_tokens_of(peer, session) is not None:
+            self.recovery.histories.record((peer, session), pos, tokens)
 
     def session_freed(self, peer: bytes, session: str) -> None:
         """The engine freed the session. Its end is read a little later than it happened: a
