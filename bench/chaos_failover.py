@@ -78,7 +78,7 @@ class Plan:
     seed: int = 11
 
 
-# A hang or a cut longer than the links' heartbeat timeout (3 s): the stage in front must notice it.
+# A hang or a cut longer than the links' heartbeat timeout (1 s): the stage in front must notice it.
 FULL = Plan(mode="full", phase_s=120.0, faults=12, fault_every_s=10.0, down_s=1.0, stopped_s=5.0, cut_s=5.0)
 QUICK = Plan(mode="quick", phase_s=12.0, faults=3, fault_every_s=5.0, down_s=0.5, stopped_s=4.0, cut_s=4.0, lease_s=2.0)
 HEAD = "head"
@@ -169,6 +169,11 @@ async def phase(chain: Chain, plan: Plan, run: StreamRun, tag: str, injector: In
         stop.set()
 
 
+def fronts(chain: Chain) -> dict[str, str]:
+    """The nodes that place sessions on replicas: the head, and each middle replica."""
+    return {HEAD: chain.head, **{r.name: r.address for r in chain.replicas if r.name.startswith("mid")}}
+
+
 async def measure(procs: Processes, star: Star, chain: Chain, plan: Plan) -> dict[str, Any]:
     t0 = trio.current_time()
     kinds = KINDS if star.isolated else tuple(k for k in KINDS if k != "cut")
@@ -179,6 +184,7 @@ async def measure(procs: Processes, star: Star, chain: Chain, plan: Plan) -> dic
         background.start_soon(watch, procs, chain.tracks, time.monotonic())
         say(f"failover: undisturbed, c={plan.concurrency} for {plan.phase_s:g} s")
         await phase(chain, plan, calm, "calm", None)
+        calm_stats = {name: await node_stats(address) for name, address in fronts(chain).items()}
         say(f"failover: under failures, {plan.faults} faults ({', '.join(kinds)}) every {plan.fault_every_s:g} s")
         await phase(chain, plan, storm, "storm", injector)
         say(f"failover: the clients have left; waiting one lease ({plan.lease_s:g} s) and {LEASE_MARGIN_S:g} s")
@@ -200,6 +206,8 @@ async def measure(procs: Processes, star: Star, chain: Chain, plan: Plan) -> dic
         if storm_row["tok_s"] and calm_row["tok_s"]
         else None,
         "recovery": report.recovery_figures(stats[HEAD]),
+        "undisturbed_placement": report.placement_spread(calm_stats),
+        "undisturbed_recoveries": (calm_stats[HEAD] or {}).get("recoveries_total"),
         "vmhwm_mib": hwm,
         "after_lease": {n: None if s is None else held(s) for n, s in stats.items()},
         "replicas_at_end": {n: s["downstream"]["replicas"] for n, s in stats.items() if s and "downstream" in s},

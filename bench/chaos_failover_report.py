@@ -7,6 +7,8 @@ from typing import Any
 
 from bench.chaos_report import held_failures
 
+MAX_SPREAD = 0.2  # with every replica up, load within 20% across them
+
 
 def recovery_figures(head: Mapping[str, Any] | None) -> dict[str, Any]:
     """The head's recovery counters, and the mean time one recovery took."""
@@ -22,6 +24,22 @@ def recovery_figures(head: Mapping[str, Any] | None) -> dict[str, Any]:
     out = {k: head.get(k) for k in keys}
     n = out["recoveries_total"] or 0
     out["recovery_seconds_mean"] = round(float(out["recovery_seconds_total"] or 0) / n, 6) if n else None
+    return out
+
+
+def placement_spread(fronts: Mapping[str, Mapping[str, Any] | None]) -> dict[str, Any]:
+    """Sessions placed on each replica of the middle range (by the head) and of the tail range (by
+    both middles together) while every replica was up; spread = (most - fewest) / mean."""
+    ranges: dict[str, list[int]] = {}
+    for name, stats in fronts.items():
+        replicas = ((stats or {}).get("downstream") or {}).get("replicas") or []
+        placed = ranges.setdefault("middle" if name == "head" else "tail", [0] * len(replicas))
+        for i, replica in enumerate(replicas):
+            placed[i] += int(replica.get("placed_total") or 0)
+    out: dict[str, Any] = {}
+    for name, placed in ranges.items():
+        mean = sum(placed) / len(placed) if placed else 0
+        out[name] = {"placed": placed, "spread": round((max(placed) - min(placed)) / mean, 3) if mean else None}
     return out
 
 
@@ -42,6 +60,9 @@ def failures(result: Mapping[str, Any], kinds: tuple[str, ...]) -> list[str]:
             out.append(f"{phase}: {run['unchecked']} sessions had no undisturbed reference to compare with")
         if not run["sessions_completed"]:
             out.append(f"{phase}: no session completed")
+    for name, placed in (result.get("undisturbed_placement") or {}).items():
+        if placed["spread"] is None or placed["spread"] > MAX_SPREAD:
+            out.append(f"undisturbed: sessions on the {name} replicas {placed['placed']} spread over {MAX_SPREAD:.0%}")
     done = {f["kind"] for f in result["faults"]}
     missing = [k for k in kinds if k not in done]
     if missing:
@@ -65,6 +86,10 @@ def console(result: Mapping[str, Any]) -> str:
         )
     lines.append(f"throughput under failures / undisturbed: {result['throughput_ratio']}")
     lines.append(f"head recovery: {result['recovery']}")
+    lines.append(
+        f"undisturbed: sessions placed per replica {result.get('undisturbed_placement')}, "
+        f"head recoveries {result.get('undisturbed_recoveries')}"
+    )
     for f in result["faults"]:
         lines.append(
             f"  fault {f['fault']}: {f['kind']:<4} {f['replica']:<9} at {f['at_s']} s, restored "

@@ -10,8 +10,10 @@ that op with its keys and payload shape), which also counts in `malformed`.
 
 The link is watched, so a next stage that is down is noticed within seconds rather
 than after `timeout_s`:
-- ZeroMQ heartbeats (every 1 s; 3 s without an answer drops the connection) find a
-  peer that went silent without closing its TCP connection;
+- ZeroMQ heartbeats (every 0.25 s; 1 s without an answer drops the connection) find a
+  peer that went silent without closing its TCP connection. The heartbeat is answered by
+  the peer's ZeroMQ I/O thread, not its event loop, so a stage busy in a long
+  `llama_decode` still answers it: only a hung process or a cut link stays silent;
 - a socket monitor reports the connection up (handshake done) or down; while it is
   down, requests are answered None at once (after a short wait for a first connection,
   so a node started just before its next stage does not refuse its first requests),
@@ -57,8 +59,8 @@ from transport.wire import (
 
 log = logging.getLogger("neuron_tai.downstream")
 
-HEARTBEAT_IVL_MS = 1000
-HEARTBEAT_TIMEOUT_MS = 3000
+HEARTBEAT_IVL_MS = 250
+HEARTBEAT_TIMEOUT_MS = 1000
 CONNECT_WAIT_S = 2.0  # how long a request waits for the link to come up before it fails
 
 _UP = zmq.EVENT_HANDSHAKE_SUCCEEDED

@@ -27,6 +27,7 @@ class ReplicaState(enum.StrEnum):
 @dataclass(slots=True)
 class ReplicaRecord:
     sessions: int = 0
+    placed: int = 0  # sessions placed here, in total: how evenly load was spread
     failures: int = 0  # in total
     failed_in_a_row: int = 0
     down_until: float = 0.0
@@ -59,6 +60,7 @@ class ReplicaBook:
 
     def place(self, index: int) -> None:
         self.records[index].sessions += 1
+        self.records[index].placed += 1
 
     def release(self, index: int) -> None:
         record = self.records[index]

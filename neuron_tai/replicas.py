@@ -178,6 +178,7 @@ class Replicas:
                 "address": link.address,
                 "state": str(self.book.state(i, now, up[i])),
                 "sessions": self.book.records[i].sessions,
+                "placed_total": self.book.records[i].placed,
                 "failures_total": self.book.records[i].failures,
                 "connected": link.connected,
             }

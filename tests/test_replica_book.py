@@ -88,3 +88,24 @@ def test_a_mismatched_replica_is_never_chosen() -> None:
     book.mismatched(1)
     assert book.choose(0.0, [True, True]) is None
     assert book.state(0, 0.0, True) is ReplicaState.MISMATCH
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 4), st.lists(st.tuples(st.booleans(), st.integers(0, 3)), max_size=80))
+def test_with_every_replica_up_sessions_spread_evenly(count: int, history: list[tuple[bool, int]]) -> None:
+    """With every replica up, `placed` counts every placement, and when sessions only arrive
+    the replicas' placements differ by at most one."""
+    book = ReplicaBook(count)
+    connected = [True] * count
+    placed = [0] * count
+    for opening, raw in history:
+        if opening:
+            chosen = book.choose(0.0, connected)
+            assert chosen is not None
+            book.place(chosen)
+            placed[chosen] += 1
+        elif book.records[raw % count].sessions:
+            book.release(raw % count)
+    assert [r.placed for r in book.records] == placed
+    if all(opening for opening, _ in history):
+        assert max(placed) - min(placed) <= 1
