@@ -120,3 +120,11 @@ def test_shard_balance_plan_reads_a_costs_file(
     assert code == 0 and [line.split()[1] for line in lines] == [f"{a}:{b}" for a, b in expected]
     code, lines, _ = run(capsys, *args[:-2], "--balance", "even", "-o", str(tmp_path / "e"))
     assert code == 0 and [line.split()[1] for line in lines] == ["0:2", "2:4"]
+
+
+def test_costs_of_a_sliding_window_model_are_measured(
+    tiny_gemma: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    costs = measure_costs(tiny_gemma, Measure(reps=1, decode_rows=2, prefill_rows=8))
+    assert len(costs.layers) == 6 and len(plan(costs, [Host(), Host()], Workload()).bounds) == 2
