@@ -55,8 +55,11 @@ def planned_bounds(
 
 @contextlib.contextmanager
 def cpu_quota(name: str, cores: float) -> Iterator[Path]:
-    """A CPU cgroup capped at `cores` (cgroup v1 `cpu` or v2 `cpu.max`); its `cgroup.procs`. Removed on leaving."""
-    period = 100_000
+    """A CPU cgroup capped at `cores` (cgroup v1 `cpu` or v2 `cpu.max`); its `cgroup.procs`. Removed on leaving.
+
+    The period is 10 ms, not the kernel's 100 ms: a step of a few tens of ms then runs at the
+    quota's pace instead of in bursts of a full core followed by a frozen stretch."""
+    period = 10_000
     if (CGROUP_V1 / "cpu.cfs_quota_us").exists():
         group = CGROUP_V1 / name
         group.mkdir(exist_ok=True)
@@ -170,7 +173,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="the tiny test model, few requests: checks it runs")
-    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--max-new", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=8)
@@ -179,8 +182,9 @@ def main() -> int:
     if args.quick:
         args.reps, args.requests, args.max_new = 1, 8, 8
     payload = measure(args)
-    if args.out is not None:
-        out = write_evidence(args.out.name, payload, args.out.resolve().parent)
+    if args.out is not None:  # named as given (`python -m bench` names it after the model already)
+        args.out.resolve().parent.mkdir(parents=True, exist_ok=True)
+        out = write_evidence(args.out.name, payload, WORK / "placement").replace(args.out.resolve())
     else:
         out = write_evidence("placement.json", payload, WORK if args.quick else EVIDENCE)
     print(f"wrote {shown(out)}")
