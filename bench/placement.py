@@ -152,6 +152,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "tok_s": tok_s[name],
             "vs_even": round(tok_s[name] / tok_s["even"], 3),
             "predicted_bound": round(predicted[name].efficiency_bound, 3),
+            "predicted_tok_s": round(args.max_new / predicted[name].slowest_seconds, 2),
             "predicted_load": [round(s.load, 3) for s in predicted[name].stages],
         }
         for name in bounds
