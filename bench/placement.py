@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import sys
 from collections.abc import Iterator, Sequence
@@ -139,6 +140,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     for name, b in bounds.items():
         print(f"{name:8} {b}  predicted bound {predicted[name].efficiency_bound:.3f}", flush=True)
     shards = {name: write_stages(model, WORK / "placement" / name, b) for name, b in bounds.items()}
+    # The load client runs beside the tail, outside its cgroup (the half core the tail may not
+    # use): on another machine, as it would be, rather than on the head's core.
+    os.sched_setaffinity(0, {TAIL_CORE})
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in bounds}
     with cpu_quota("neuron-tai-placement", TAIL_SHARE) as cgroup, open_processes(WORK / "placement" / "logs") as procs:
         for rep, name in interleaved(args.reps, list(bounds)):
@@ -162,7 +166,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "model": model.name,
         "setup": f"2-stage chain; head on core {HEAD_CORE}; tail on core {TAIL_CORE} with a CPU quota of "
-        f"{TAIL_SHARE} core (cgroup); 1 thread each; plan told speeds 1 and {TAIL_SHARE}",
+        f"{TAIL_SHARE} core (cgroup, 10 ms period); load client on core {TAIL_CORE} outside the cgroup; "
+        f"1 thread each; plan told speeds 1 and {TAIL_SHARE}",
         "workload": {"prompt_tokens": PROMPT_TOKENS, "max_new": args.max_new, "requests": args.requests},
         "concurrency": args.concurrency,
         "reps": args.reps,
