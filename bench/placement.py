@@ -2,9 +2,9 @@
 
 A 2-stage chain on this machine's two cores, the head on core 0, the tail on core 1 inside
 a CPU cgroup with a quota of half a core (the slower machine). The plan is told the
-speeds (1 and 0.5) and chooses from the costs measured here; the load client runs on
-core 1 outside the cgroup, in the half core the tail may not use (neuron_tai/layer_costs.py);
-each split runs the same closed-loop, decode-heavy workload at concurrency 8 (server-side
+speeds (1 and 0.5) and chooses from the costs measured here (neuron_tai/layer_costs.py);
+the load client runs on core 1 outside the cgroup, in the half core the tail may not use.
+Each split runs the same closed-loop, decode-heavy workload at concurrency 8 (server-side
 `generate`), the splits interleaved over the repetitions, and the report gives each
 split's tok/s, the ratio to the even split's, and the bound each split predicts.
 
