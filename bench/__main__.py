@@ -71,6 +71,8 @@ SUITES = {
     "engine": Suite("bench.engine_sweep", (), None, "engine throughput, TTFT/ITL, interference"),
     "node": Suite("bench.node_sweep", (), None, "nodes over ZeroMQ against the engine"),
     "micro-batches": Suite("bench.micro_batches", (), None, "micro-batches 1 vs 2 at c=8"),
+    "placement": Suite("bench.placement", (), ("--quick",), "plan's split vs even and weight-balanced on unequal "
+                       "stages (cgroup quota), c=8", "file"),
 }  # fmt: skip
 
 # `just bench`: (suite, model; None = the suite's default, gemma-3-270m).

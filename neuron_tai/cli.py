@@ -19,6 +19,7 @@ from typing import Any
 from neuron_tai import __version__
 from neuron_tai.cli_errors import UsageError, report
 from neuron_tai.cli_options import Option, add_options, build, new_parser, options_of
+from neuron_tai.cli_plan import PlanOptions, planned_split, run_plan
 from neuron_tai.cli_serve import gateway_options, node_config, run_gateway, run_serve, serve_options
 from neuron_tai.command_options import GenerateOptions, KeygenOptions, PingOptions, ShardOptions, StatsOptions
 from neuron_tai.security import create_key_pair
@@ -49,6 +50,8 @@ def _cmd_shard(values: Mapping[str, Any]) -> int:
     facts = read_model_layers(opts.model, header)
     if opts.stages is not None and opts.balance == "weights":
         bounds = weight_balanced_bounds(opts.model, opts.stages, header)
+    elif opts.stages is not None and opts.balance == "plan":
+        bounds = planned_split(opts.model, opts.stages, costs=opts.costs).bounds
     else:
         bounds = stage_bounds(facts.block_count, stages=opts.stages, split=opts.split or ())
     for path, (a, b) in zip(write_stages(opts.model, opts.output, bounds, header), bounds, strict=True):
@@ -190,6 +193,19 @@ COMMANDS = (
         lambda: options_of(ShardOptions),
         _cmd_shard,
         ("model",),
+    ),
+    Command(
+        "plan",
+        "choose each machine's layer range from measured costs",
+        "Measure what each layer, the embedding and the output head cost on this machine (cached), choose the "
+        "contiguous layer ranges that make the slowest stage fastest for the workload under each host's memory, "
+        "and print the split, each stage's predicted share, the predicted scale-out efficiency bound and the "
+        "`neuron-tai serve` line of each machine, in the order to start them. --measure on each machine prints "
+        "its speed, to give as --host SPEED.",
+        lambda: options_of(PlanOptions),
+        run_plan,
+        ("model",),
+        ("model", "stages", "host", "workload"),
     ),
     Command(
         "keygen",

@@ -14,6 +14,7 @@ needs beyond them:
 - `choices`: the values allowed, or a mapping from what is typed to the field's value;
 - `shown`: the default as `--help` words it, where the value itself says little (None);
 - `zero_is_none`: 0 means None (off) on the command line;
+- `repeat`: a "names" option that may be repeated, each time adding to the tuple;
 - `nested`: for a dataclass-valued field whose class carries no metadata of its own
   (`engine.budgets.Limits`, `protocol.sampling.Sampling`): the metadata of its fields.
 
@@ -238,7 +239,7 @@ def add_options(
             group.add_argument(
                 *flags,
                 dest=option.dest,
-                action=_JoinAction if option.meta.get("kind") == "addresses" else "store",
+                action=_JoinAction if option.meta.get("kind") == "addresses" or option.meta.get("repeat") else "store",
                 type=convert,
                 default=argparse.SUPPRESS,
                 metavar=metavar,
@@ -252,6 +253,9 @@ class _JoinAction(argparse.Action):
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: Any, values: Any, option: Any = None) -> None:
         before = getattr(namespace, self.dest, None)
+        if isinstance(before, tuple) and isinstance(values, tuple):
+            setattr(namespace, self.dest, before + values)
+            return
         setattr(namespace, self.dest, f"{before},{values}" if isinstance(before, str) else values)
 
 

@@ -174,11 +174,20 @@ class ShardOptions:
         },
     )
     balance: str = field(
-        default="weights",
+        default="plan",
         metadata={
-            "help": "--stages: give each stage about the same weight bytes to read per token, the last "
-            "stage's vocabulary projection included (weights), or the same number of layers",
-            "choices": ("weights", "layers"),
+            "help": "--stages: the split `neuron-tai plan` chooses from costs measured on this machine (plan), "
+            "about the same weight bytes to read per token, the last stage's vocabulary projection included "
+            "(weights), or the same number of layers (layers, or even)",
+            "choices": ("plan", "weights", "layers", "even"),
+        },
+    )
+    costs: Path | None = field(
+        default=None,
+        metadata={
+            "help": "--balance plan: read the costs from this JSON file instead of measuring",
+            "metavar": "FILE",
+            "shown": "measured once, then cached",
         },
     )
 

@@ -173,7 +173,7 @@ def test_shard_cli_balances_by_weights(tiny_gemma: Path, tmp_path: Path, capsys:
     layers, projection = layer_weights(header)
     assert len(layers) == 6 and projection == next(t.nbytes for t in header.tensors if t.name == "output.weight")
     expected = balanced_bounds(layers, projection, 2)
-    for extra, bounds in (([], expected), (["--balance", "layers"], [(0, 3), (3, 6)])):
+    for extra, bounds in ((["--balance", "weights"], expected), (["--balance", "layers"], [(0, 3), (3, 6)])):
         assert main(["shard", str(tiny_gemma), "--stages", "2", "-o", str(tmp_path / str(extra)), *extra]) == 0
         printed = capsys.readouterr().out.splitlines()
         assert [line.split()[1] for line in printed] == [f"{a}:{b}" for a, b in bounds]

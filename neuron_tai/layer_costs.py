@@ -1,0 +1,202 @@
+"""What each part of a model costs on this machine, measured with llama.cpp, for the placement plan.
+
+Four files are timed alone with the node's backend, one decode step of `decode_rows`
+sessions and one prefill chunk of `prefill_rows` rows each, best of `reps`: the first
+layer (token input, the embedding lookup), the second layer (hidden input and output),
+the last layer (with the output head) and the whole model. With one unknown per part,
+
+    first = stage + embedding + c*b0      middle = stage + c*b1
+    last  = stage + head + c*b[n-1]       whole  = stage + embedding + head + c*sum(b)
+
+give c, the cost per weight byte of a layer (each layer then costs c times its bytes, so
+mixed quantization types are weighed), the per-call cost every stage pays, the
+embedding's and the head's. Decode and prefill are solved separately, divided by their
+rows. The three one-layer shards are written once into the shard cache `serve` uses, and
+the result is cached as JSON (`load_costs` reads such a file: tests and the bench need not
+measure again).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engine.backend import ContextConfig, Segment, StageBackend
+from engine.messages import Output
+from neuron_tai.placement import ModelCosts, RowCosts
+from neuron_tai.shard import ShardError, layer_weights, open_header, read_model_layers
+
+__all__ = ["Measure", "cached_costs", "costs_cache_path", "load_costs", "measure_costs", "save_costs"]
+
+_CONTEXT_TOKENS = 16  # each decode session's prompt: the step attends to a short context
+
+
+@dataclass(frozen=True, slots=True)
+class Measure:
+    """How costs are measured: llama.cpp threads (a stage's own), rows per call, repetitions."""
+
+    threads: int = 1
+    decode_rows: int = 8
+    prefill_rows: int = 64
+    reps: int = 3
+
+
+@dataclass(frozen=True, slots=True)
+class _Timing:
+    decode: float  # seconds per decode step of `decode_rows` sessions
+    prefill: float  # seconds per prefill chunk of `prefill_rows` rows
+
+
+def _context(how: Measure) -> ContextConfig:
+    cells = how.decode_rows * (_CONTEXT_TOKENS + how.reps + 2) + how.prefill_rows + 64
+    batch = max(how.prefill_rows, how.decode_rows * _CONTEXT_TOKENS)
+    return ContextConfig(
+        n_seq_max=how.decode_rows + 1, n_ctx=cells, n_batch=batch, n_ubatch=batch, n_threads=how.threads
+    )
+
+
+def _segment(backend: StageBackend, seq: int, pos: int, rows: int, out: Output) -> Segment:
+    info = backend.info
+    if info.first:
+        return Segment(seq, pos, tokens=np.full(rows, 100 + seq % 50, np.int32), output=out)
+    rng = np.random.default_rng(seq * 1000 + pos)
+    return Segment(seq, pos, hidden=rng.standard_normal((rows, info.n_embd)).astype(np.float32), output=out)
+
+
+def _best(backend: StageBackend, reps: int, batch: Any) -> float:
+    """The least time of `reps` calls of `backend.decode(batch())` (noise only adds time)."""
+    times = []
+    for _ in range(reps):
+        segments = batch()
+        start = time.perf_counter()
+        backend.decode(segments)
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def _time_file(path: Path, how: Measure) -> _Timing:
+    with StageBackend(path, _context(how)) as backend:
+        out = Output.TOKEN if backend.info.last else Output.HIDDEN
+        seqs = [backend.open_sequence() for _ in range(how.decode_rows)]
+        backend.decode([_segment(backend, s, 0, _CONTEXT_TOKENS, Output.NONE) for s in seqs])
+        pos = [_CONTEXT_TOKENS]
+
+        def step() -> list[Segment]:
+            pos[0] += 1
+            return [_segment(backend, s, pos[0] - 1, 1, out) for s in seqs]
+
+        backend.decode(step())  # warm
+        decode = _best(backend, how.reps, step)
+        for s in seqs:
+            backend.close_sequence(s)
+        # A prompt: every row's hidden state below the tail, the last row's token at the tail.
+        prompt = backend.open_sequence()
+
+        def chunk() -> list[Segment]:
+            backend.rewind(prompt, 0)
+            return [_segment(backend, prompt, 0, how.prefill_rows, out)]
+
+        prefill = _best(backend, how.reps, chunk)
+    return _Timing(decode, prefill)
+
+
+def measure_costs(model: Path, how: Measure = Measure()) -> ModelCosts:
+    """Measure `model`'s costs on this machine (a whole model of at least three layers)."""
+    from neuron_tai.cli_serve import stage_model  # noqa: PLC0415 - the shard cache `serve` uses
+
+    header = open_header(model)
+    facts = read_model_layers(model, header)
+    n = facts.block_count
+    if not (facts.first and facts.last) or n < 3:
+        raise ShardError(f"{model}: measuring costs needs a whole model of at least 3 layers")
+    files = {
+        "first": stage_model(model, (0, 1)),
+        "middle": stage_model(model, (1, 2)),
+        "last": stage_model(model, (n - 1, n)),
+        "whole": model,
+    }
+    timed = {name: _time_file(path, how) for name, path in files.items()}
+    layer_bytes, head_bytes = layer_weights(header)
+    decode = _solve({k: t.decode / how.decode_rows for k, t in timed.items()}, layer_bytes)
+    prefill = _solve({k: t.prefill / how.prefill_rows for k, t in timed.items()}, layer_bytes)
+    kv = [2 * (k + v) for k, v in zip(facts.k_widths, facts.v_widths, strict=True)]  # f16 K and V
+    return ModelCosts(
+        layers=tuple(RowCosts(d, p) for d, p in zip(decode["layers"], prefill["layers"], strict=True)),
+        embedding=RowCosts(decode["embedding"], prefill["embedding"]),
+        head=RowCosts(decode["head"], prefill["head"]),
+        stage=RowCosts(decode["stage"], prefill["stage"]),
+        weight_bytes=tuple(layer_bytes),
+        kv_bytes_per_cell=tuple(kv),
+        head_bytes=head_bytes,
+    )
+
+
+def _solve(t: dict[str, float], b: list[int]) -> dict[str, Any]:
+    """The parts' costs from the four timings (see the module's docstring); none below zero."""
+    n = len(b)
+    # whole - first - last + middle = c * (sum(b) - b0 - b[n-1] + b1)
+    span = sum(b) - b[0] - b[n - 1] + b[1]
+    per_byte = max((t["whole"] - t["first"] - t["last"] + t["middle"]) / span, 0.0) if span > 0 else 0.0
+    stage = max(t["middle"] - per_byte * b[1], 0.0)
+    return {
+        "layers": [per_byte * x for x in b],
+        "stage": stage,
+        "embedding": max(t["first"] - stage - per_byte * b[0], 0.0),
+        "head": max(t["last"] - stage - per_byte * b[n - 1], 0.0),
+    }
+
+
+def save_costs(costs: ModelCosts, path: Path, about: dict[str, Any] | None = None) -> Path:
+    """Write `costs` as JSON (atomically), with `about` (what was measured, how) beside them."""
+    payload = {**asdict(costs), "about": about or {}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".part")
+    tmp.write_text(json.dumps(payload, indent=1) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def load_costs(path: Path) -> ModelCosts:
+    """Costs from a JSON file written by `save_costs` (or by hand, in the same form)."""
+    try:
+        data = json.loads(path.read_text())
+
+        def row(x: Any) -> RowCosts:
+            return RowCosts(**x) if isinstance(x, dict) else RowCosts(*x)
+
+        return ModelCosts(
+            layers=tuple(row(x) for x in data["layers"]),
+            embedding=row(data["embedding"]),
+            head=row(data["head"]),
+            stage=row(data["stage"]),
+            weight_bytes=tuple(int(x) for x in data["weight_bytes"]),
+            kv_bytes_per_cell=tuple(int(x) for x in data["kv_bytes_per_cell"]),
+            head_bytes=int(data.get("head_bytes", 0)),
+        )
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read costs ({exc.strerror})") from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path}: not a costs file ({exc})") from None
+
+
+def costs_cache_path(model: Path, how: Measure) -> Path:
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "neuron-tai" / "costs"
+    return cache / f"{model.stem}.{model.stat().st_size}.t{how.threads}-d{how.decode_rows}-p{how.prefill_rows}.json"
+
+
+def cached_costs(model: Path, how: Measure = Measure(), *, remeasure: bool = False) -> ModelCosts:
+    """`model`'s costs on this machine: measured once, then read from the cache (newer than the model)."""
+    path = costs_cache_path(model, how)
+    if not remeasure and path.exists() and path.stat().st_mtime >= model.stat().st_mtime:
+        return load_costs(path)
+    start = time.perf_counter()
+    costs = measure_costs(model, how)
+    about = {"model": model.name, **asdict(how), "seconds": round(time.perf_counter() - start, 1)}
+    save_costs(costs, path, about)
+    return costs
