@@ -19,7 +19,7 @@ import numpy as np
 
 from engine.backend import ContextConfig, StageBackend, context_params
 from engine.kernels import cpu_features
-from engine.llama_handles import LlamaModel, ensure_backend
+from engine.llama_handles import LlamaModel, ensure_backend, extra_buffer_types
 
 logging.getLogger("llama.cpp").setLevel(logging.ERROR)
 
@@ -117,22 +117,27 @@ def commit() -> str:
     return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
+def evidence_meta() -> dict[str, Any]:
+    """What makes a result evidence: the command, the date, the commit, the machine and its CPU, llama.cpp."""
+    cpu = cpu_features()
+    return {
+        "command": command_line(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "commit": commit(),
+        "machine": f"{platform.machine()}, {cpu.model}, {os.cpu_count()} cores, python {platform.python_version()}",
+        "cpu": cpu.summary(),
+        "extra_buffer_types": list(extra_buffer_types()),  # where llama.cpp may put weights besides plain CPU
+        "llama_cpp_python": lc.__version__,
+    }
+
+
 def write_evidence(name: str, payload: dict[str, Any], directory: Path = EVIDENCE) -> Path:
-    """`directory/name`: the payload after what makes it evidence (command, date, machine, CPU, commit)."""
+    """`directory/name`: `evidence_meta()`, then the payload (a payload's own `command` or `commit` wins)."""
     directory.mkdir(parents=True, exist_ok=True)
     if (chosen := os.environ.get(MODEL_ENV)) and directory == EVIDENCE:  # beside the default model's, not over it
         name = f"{Path(name).stem}-{Path(chosen).name.removesuffix('.gguf')}{Path(name).suffix}"
     path = directory / name
-    cpu = cpu_features()
-    meta = {
-        "command": command_line(),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "commit": commit(),
-        "machine": f"{platform.machine()}, {cpu.model}, python {platform.python_version()}",
-        "cpu": cpu.summary(),
-        "llama_cpp_python": lc.__version__,
-    }
-    path.write_text(json.dumps({**meta, **payload}, indent=2) + "\n")
+    path.write_text(json.dumps({**evidence_meta(), **payload}, indent=1) + "\n")
     return path
 
 

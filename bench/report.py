@@ -39,8 +39,7 @@ from bench.common import (
     WORK,
     BareLoop,
     bench_model,
-    command_line,
-    commit,
+    evidence_meta,
     interleaved,
     resolve_model,
     shown,
@@ -511,19 +510,18 @@ def main() -> int:
         payload = trio.run(run_until_interrupted, partial(run, plan, model, nodes, procs, faults))
     payload["processes"] = [{"name": n, "pid": pid, "exit_status": rc} for n, (pid, rc) in procs.ended.items()]
     payload["crashes"] = [asdict(c) for c in procs.crashed.values()]
+    meta = evidence_meta()
     report = {
-        "command": command_line(),
+        **meta,
         "started": started,
-        "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "finished": meta["date"],
         "plan": {k: shown(v) if isinstance(v, Path) else v for k, v in asdict(plan).items()},
         "model": model.name,
         "workload_name": WORKLOADS[plan.workload].name,
         "chain2_shards": [s.name for s in shards],
         "llama_server": nodes.server_note,
         "sessions_max": MAX_SESSIONS,
-        "commit": commit(),
         "ceiling": ceiling,
-        **report_markdown.machine(),
         **payload,
     }
     report["saturation"] = saturation(report["runs"])

@@ -2,31 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import platform
 from typing import Any
-
-import llama_cpp as lc
 
 from bench.aggregate import SATURATION_SHARE, mean_by, saturation
 from bench.systems import ALL, BARE, CHAIN, NODE, NODE_FAST, PYTHON, SERVER
-from engine.kernels import cpu_features
-from engine.llama_handles import extra_buffer_types
-
-
-def machine() -> dict[str, Any]:
-    """The machine and what decides llama.cpp's kernels on it: the CPU's ISA and the build's extra buffer types."""
-    return {
-        "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, {_cores()} cores, "
-        f"python {platform.python_version()}",
-        "llama_cpp_python": lc.__version__,
-        "cpu": cpu_features().summary(),
-        "extra_buffer_types": list(extra_buffer_types()),
-    }
-
-
-def _cores() -> int:
-    return os.cpu_count() or 0
 
 
 def _f(v: Any, digits: int = 1) -> str:
