@@ -23,7 +23,7 @@ def _table(header: list[str], rows: list[list[Any]]) -> str:
 def render(r: dict[str, Any]) -> str:
     plan = r["plan"]
     cs = plan["concurrencies"]
-    tok = mean_by(r["runs"], "tok_s")
+    tok = at_every_concurrency(mean_by(r["runs"], "tok_s"), cs)
     systems = [s for s in ALL if s in tok]
     quick = plan["mode"] == "quick"
     parts = [
@@ -44,6 +44,11 @@ def render(r: dict[str, Any]) -> str:
         _next_step(r),
     ]
     return named_tables("\n\n".join(p for p in parts if p) + "\n", caption(r))
+
+
+def at_every_concurrency(tok: dict[str, dict[int, float]], cs: list[int]) -> dict[str, dict[int, float]]:
+    """A system measured once (`Llama serial` serves one request after another) has that figure at every c."""
+    return {s: pts if len(pts) > 1 else dict.fromkeys(cs, *pts.values()) for s, pts in tok.items()}
 
 
 def caption(r: dict[str, Any]) -> str:
@@ -170,10 +175,7 @@ def _buffers(buffers: dict[str, int]) -> str:
 
 
 def _throughput(r: dict[str, Any], tok: dict[str, dict[int, float]], systems: list[str], cs: list[int]) -> str:
-    rows = []
-    for s in systems:
-        pts = tok[s]
-        rows.append([s, *[pts.get(c, next(iter(pts.values())) if len(pts) == 1 else None) for c in cs]])
+    rows = [[s, *[tok[s].get(c) for c in cs]] for s in systems]
     out = [
         "## Aggregate throughput (generated tok/s)",
         "",
@@ -194,9 +196,7 @@ def _throughput(r: dict[str, Any], tok: dict[str, dict[int, float]], systems: li
             (PYTHON, "Llama serial"),
         ):
             if mine in tok and other in tok:
-                base = tok[other]
-                flat = next(iter(base.values())) if len(base) == 1 else None  # Llama serial: one figure
-                ratio_rows.append([f"{name} / {label}", *[_ratio(tok[mine].get(c), base.get(c, flat)) for c in cs]])
+                ratio_rows.append([f"{name} / {label}", *[_ratio(tok[mine].get(c), tok[other].get(c)) for c in cs]])
     if CHAIN in tok and NODE in tok:
         ratio_rows.append(["chain2 / node", *[_ratio(tok[CHAIN].get(c), tok[NODE].get(c)) for c in cs]])
     out.append(_table(["ratio", *[f"c={c}" for c in cs]], ratio_rows))
@@ -225,10 +225,7 @@ def _ceiling(r: dict[str, Any], tok: dict[str, dict[int, float]], systems: list[
         return "## The physical ceiling\n\nNot measured: llama-batched-bench is not built (`just bench` builds it)."
     s_tg = {int(b): v for b, v in ceiling["s_tg"].items()}
     rows: list[list[Any]] = [["llama-batched-bench S_TG (tok/s)", *[s_tg.get(c) for c in cs]]]
-    for s in systems:
-        pts = tok[s]
-        flat = next(iter(pts.values())) if len(pts) == 1 else None
-        rows.append([f"{s} / ceiling", *[_ratio(pts.get(c, flat), s_tg.get(c)) for c in cs]])
+    rows += [[f"{s} / ceiling", *[_ratio(tok[s].get(c), s_tg.get(c)) for c in cs]] for s in systems]
     return "\n".join(
         [
             "## The physical ceiling: llama.cpp's own batched decode",
