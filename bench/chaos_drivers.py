@@ -22,7 +22,7 @@ from typing import Any
 import trio
 
 from bench.corruption import first_difference
-from bench.node_driver import OpenRefused, closed_loop, generate
+from bench.node_driver import OpenRefused, each_alone, generate
 from bench.workload import Request
 from neuron_tai.client import Client, ClientClosed, NodeError, open_client
 
@@ -31,12 +31,8 @@ OPEN_ATTEMPTS = 200  # a valid session's open is retried this often while the no
 
 async def solo_tokens(address: str, requests: Sequence[Request], tag: str) -> dict[int, list[int]]:
     """Each request alone on the node: the reference its runs under attack must equal."""
-    out: dict[int, list[int]] = {}
     async with open_client(address, timeout_s=60) as client:
-        for req in requests:
-            traces, _ = await closed_loop(client, [req], 1, f"{tag}-{req.rid}")
-            out[req.rid] = traces[0].tokens
-    return out
+        return await each_alone(client, requests, tag)
 
 
 @dataclass(slots=True)

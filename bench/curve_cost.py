@@ -3,10 +3,10 @@
 A single node and a 2-stage chain (layers split in two, one llama.cpp thread per stage),
 each started twice from the same flags: plain, and requiring CURVE (keys on the client
 link and, in the chain, on the link between the stages). 8 sessions at once generate
-`--steps` tokens each over ZeroMQ on loopback (bench.node_driver: the node runs the token loop). Repetitions interleave plain and CURVE
-(ABBA), and the ratio is the median of the paired per-repetition ratios (CURVE over
-plain), so load drifting on a shared machine affects both sides alike. Writes
-evidence/curve.json with {single_ratio, chain2_ratio, ...} and the command.
+`--steps` tokens each over ZeroMQ on loopback (bench.node_driver: the node runs the token
+loop). Repetitions interleave plain and CURVE (ABBA), and the ratio is the median of the
+paired per-repetition ratios (CURVE over plain), so load drifting on a shared machine
+affects both sides alike. Writes evidence/curve.json with {single_ratio, chain2_ratio, ...}.
 
     python -m bench.curve_cost [--reps 4] [--steps 48]
     python -m bench.curve_cost --quick        # the tiny test model: checks the script runs

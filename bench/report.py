@@ -32,12 +32,11 @@ import trio
 from bench import plots, report_markdown
 from bench.admission import burst
 from bench.aggregate import saturation
-from bench.bare_waves import run_waves
+from bench.bare_loop import BareLoop, run_waves
 from bench.ceiling import ceiling_for
 from bench.common import (
     EVIDENCE,
     WORK,
-    BareLoop,
     bench_model,
     evidence_meta,
     interleaved,
