@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import signal
 import sys
 import time
 from collections import Counter
@@ -31,14 +30,13 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import msgpack
 import zmq
 
 from bench import hostile
-from bench.hostile import Frames, Target, header, int32
+from bench.hostile import Frames, Stop, Target, header, int32
 
 REPLY_LOST_S = 10.0  # a reply later than this is counted unanswered
 DRAIN_S = 10.0  # after the last message, how long replies are awaited
@@ -46,14 +44,6 @@ PROBE_PERIOD_S = 0.02
 PROBE_LOST_S = 5.0
 
 Ctx = zmq.Context[zmq.Socket[bytes]]
-
-
-class _Stop:
-    requested = False
-
-
-def _on_signal(_signum: int, _frame: FrameType | None) -> None:
-    _Stop.requested = True
 
 
 def reply_kind(frames: list[bytes]) -> tuple[str, dict[str, Any]]:
@@ -181,7 +171,7 @@ def pump(channels: list[Channel], seconds: float) -> None:
         poller.register(ch.sock, zmq.POLLIN)
         by_sock[ch.sock] = ch
     start = time.monotonic()
-    while not _Stop.requested:
+    while not Stop.requested:
         now = time.monotonic()
         progress = min(1.0, (now - start) / seconds) if seconds > 0 else 1.0
         for ch in channels:
@@ -324,7 +314,7 @@ def role_never_read(
     connections = max(len(targets), quota // per_connection)
     start = time.monotonic()
     for k in range(connections):
-        if _Stop.requested:
+        if Stop.requested:
             break
         time.sleep(max(0.0, start + k * seconds / connections - time.monotonic()))
         t = targets[k % len(targets)]
@@ -347,7 +337,7 @@ def role_vanish(ctx: Ctx, targets: list[Target], seconds: float, quota: int, rng
     start = time.monotonic()
     opened = 0
     for k in range(vanishers):
-        if _Stop.requested:
+        if Stop.requested:
             break
         time.sleep(max(0.0, start + k * seconds / vanishers - time.monotonic()))
         t = targets[k % len(targets)]
@@ -386,7 +376,7 @@ def role_probe(ctx: Ctx, targets: list[Target], seconds: float) -> dict[str, Any
     due = dict.fromkeys(socks, time.perf_counter())
     rid = 0
     end = time.monotonic() + seconds
-    while not _Stop.requested and time.monotonic() < end:
+    while not Stop.requested and time.monotonic() < end:
         now = time.perf_counter()
         for name, s in socks.items():
             if name not in in_flight and now >= due[name]:
@@ -421,8 +411,7 @@ def main() -> int:
     parser.add_argument("--oversize", type=int, default=2, help="huge: frames over the message limit per target")
     parser.add_argument("--per-connection", type=int, default=2000, help="never_read: messages per connection")
     args = parser.parse_args()
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGINT, _on_signal)
+    Stop.on_signals()
     targets = [Target(**t) for t in json.loads(args.targets.read_text())]
     rng = random.Random(args.seed)
     ctx: Ctx = zmq.Context()
@@ -439,7 +428,7 @@ def main() -> int:
             out = roles[args.role](ctx, targets, args.seconds, args.quota, rng)
     finally:
         ctx.destroy(linger=0)
-    out.update(role=args.role, seconds=round(time.monotonic() - started, 2), interrupted=_Stop.requested)
+    out.update(role=args.role, seconds=round(time.monotonic() - started, 2), interrupted=Stop.requested)
     print(json.dumps(out), flush=True)
     return 0
 

@@ -15,18 +15,16 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import signal
 import sys
 from collections import Counter
 from collections.abc import Callable
-from types import FrameType
 from typing import Any
 
 import msgpack
 import numpy as np
 import zmq
 
-from bench.hostile import pack
+from bench.hostile import Stop, pack
 
 Reply = list[list[bytes]]  # the messages sent back (none, one, or more)
 Maker = Callable[[dict[str, Any], int, int], Reply]
@@ -170,22 +168,13 @@ class FakeStage:
         return make(h, self.n_vocab, self.n_embd)
 
 
-class _Stop:
-    requested = False
-
-
-def _on_signal(_signum: int, _frame: FrameType | None) -> None:
-    _Stop.requested = True
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--bind", required=True)
     parser.add_argument("--n-vocab", type=int, required=True)
     parser.add_argument("--n-embd", type=int, required=True)
     args = parser.parse_args()
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGINT, _on_signal)
+    Stop.on_signals()
     fake = FakeStage(args.n_vocab, args.n_embd)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
@@ -193,7 +182,7 @@ def main() -> int:
     sock.bind(args.bind)
     print(f"ready {sock.getsockopt_string(zmq.LAST_ENDPOINT)}", flush=True)
     try:
-        while not _Stop.requested:
+        while not Stop.requested:
             if not sock.poll(100):
                 continue
             peer, *frames = sock.recv_multipart()
