@@ -33,9 +33,7 @@ def render(r: dict[str, Any]) -> str:
         _ceiling(r, tok, systems, cs),
         _latency(r, cs),
         _engine_use(r, cs),
-        _corruption(r),
-        _default_mode(r),
-        _admission(r),
+        *((_corruption(r), _default_mode(r), _admission(r)) if plan.get("proofs", True) else (NO_PROOFS,)),
         _telemetry(r),
         _pipeline(r),
         _gateway(r),
@@ -104,7 +102,7 @@ Every figure below is read from `bench.json` of that run. Nothing here is typed 
 {min(prompts)} to {max(prompts)} tokens{mix}, {plan["max_new"]} generated tokens each, greedy,
 end-of-text ignored so every system generates exactly the same number of tokens. At concurrency c,
 c clients each send their next request as soon as the last one is answered (closed loop) until
-all {len(prompts)} are done; aggregate tok/s = generated tokens / wall time, prefill included.
+{_served(plan, len(prompts))} are done; aggregate tok/s = generated tokens / wall time, prefill included.
 {plan["reps"]} repetition(s) per system and concurrency, in alternating order;
 tables show the mean. Nodes: `--max-sessions 8 --max-waiting 8 --kv-cells {plan["kv_cells"]}`, at
 concurrency 16 eight sessions wait for room (their wait counts in TTFT). Single node and
@@ -114,6 +112,15 @@ to an iteration instead of one: more throughput, longer gaps between tokens). Th
 generate on their own (server-side `generate`, streamed, as `neuron-tai generate` does);
 the chain's head runs the token loop and splits its sessions into 2 micro-batches so both
 stages compute at once. The proofs' teacher-forced runs step token by token."""
+
+
+def _served(plan: dict[str, Any], n: int) -> str:
+    """How many of the requests a run at concurrency c serves."""
+    k = plan.get("per_client", 0)
+    if not k:
+        return f"all {n}"
+    why = "every request has one shape: more would repeat the run" if plan["workload"] == "decode" else "for time"
+    return f"the first {'' if k == 1 else k}c of the {n} (the same ones for every system; {why})"
 
 
 def _cpu(r: dict[str, Any]) -> str:
@@ -314,6 +321,12 @@ def _engine_use(r: dict[str, Any], cs: list[int]) -> str:
             ),
         ]
     )
+
+
+NO_PROOFS = """## Corruption proof, default mode, burst
+
+Not run in this report: they check the node, not the model's speed or the workload, and `just bench` runs
+them once, in its default report (gemma-3-270m, prompt-heavy)."""
 
 
 def _corruption(r: dict[str, Any]) -> str:
@@ -569,10 +582,16 @@ def _compatibility(r: dict[str, Any]) -> str:
         [
             "## Compatibility notes",
             "",
-            "Greedy tokens of each system serving one request at a time, against the node's solo run:",
-            "",
-            _table(["system", "requests identical", "mean token agreement"], rows),
-            "",
+            *(
+                [
+                    "Greedy tokens of each system serving one request at a time, against the node's solo run:",
+                    "",
+                    _table(["system", "requests identical", "mean token agreement"], rows),
+                    "",
+                ]
+                if rows
+                else []
+            ),
             "- The node speaks PROTOCOL.md v1 over ZeroMQ; the peers are driven through their own APIs "
             "(llama-server's `/completion` with token-id prompts, `cache_prompt: false`, "
             "`ignore_eos: true`, streaming; `Llama.generate` with `top_k=1, temp=0` and a reset "
