@@ -26,7 +26,7 @@ import random
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
@@ -305,19 +305,23 @@ def role_huge(
     return summary(channels)
 
 
+def paced(n: int, seconds: float, targets: list[Target]) -> Iterator[tuple[int, Target]]:
+    """`n` connections spread evenly over `seconds`, the targets in turn, until a stop is asked for."""
+    start = time.monotonic()
+    for k in range(n):
+        if Stop.requested:
+            return
+        time.sleep(max(0.0, start + k * seconds / n - time.monotonic()))
+        yield k, targets[k % len(targets)]
+
+
 def role_never_read(
     ctx: Ctx, targets: list[Target], seconds: float, quota: int, _rng: random.Random, per_connection: int
 ) -> dict[str, Any]:
     """Connections that open two sessions, then send `stats` without ever reading: the node parks
     their replies and, past its limit, treats them as gone and frees their sessions."""
     tally = Tally()
-    connections = max(len(targets), quota // per_connection)
-    start = time.monotonic()
-    for k in range(connections):
-        if Stop.requested:
-            break
-        time.sleep(max(0.0, start + k * seconds / connections - time.monotonic()))
-        t = targets[k % len(targets)]
+    for k, t in paced(max(len(targets), quota // per_connection), seconds, targets):
         sock = dealer(ctx, t.address, RCVHWM=1, RCVBUF=4096)
         for j in range(2):
             tally.ask(sock, [header("open", j, session=f"nr-{k}-{j}", max_tokens=32)])
@@ -333,14 +337,8 @@ def role_never_read(
 def role_vanish(ctx: Ctx, targets: list[Target], seconds: float, quota: int, rng: random.Random) -> dict[str, Any]:
     """Connections that open sessions and disappear without closing them, four ways in turn."""
     tally = Tally()
-    vanishers = max(len(targets), quota // 3)
-    start = time.monotonic()
     opened = 0
-    for k in range(vanishers):
-        if Stop.requested:
-            break
-        time.sleep(max(0.0, start + k * seconds / vanishers - time.monotonic()))
-        t = targets[k % len(targets)]
+    for k, t in paced(max(len(targets), quota // 3), seconds, targets):
         sock = dealer(ctx, t.address)
         prompt = int32([1, *(rng.randrange(3, t.n_vocab) for _ in range(7))])
         way = (k // len(targets)) % 4  # every target sees every way

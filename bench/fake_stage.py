@@ -31,17 +31,9 @@ Maker = Callable[[dict[str, Any], int, int], Reply]
 
 
 def _result(h: dict[str, Any], **changes: Any) -> dict[str, Any]:
-    out = {
-        "v": 1,
-        "op": "result",
-        "rid": h.get("rid"),
-        "session": h.get("session"),
-        "pos": h.get("pos"),
-        "n": h.get("n"),
-        "out": h.get("out"),
-    }
-    out.update(changes)
-    return out
+    """A `result` header echoing the request's, with `changes`."""
+    echoed = {key: h.get(key) for key in ("rid", "session", "pos", "n", "out")}
+    return {"v": 1, "op": "result", **echoed, **changes}
 
 
 def _right_payload(h: dict[str, Any], n_vocab: int, n_embd: int) -> bytes:
@@ -111,19 +103,8 @@ def _stage(n_vocab: int, n_embd: int, **changes: Any) -> dict[str, Any]:
 
 
 def _opened(h: dict[str, Any], stage: Any) -> list[bytes]:
-    return [
-        pack(
-            {
-                "v": 1,
-                "op": "opened",
-                "rid": h.get("rid"),
-                "session": h.get("session"),
-                "kv_reserved": h.get("max_tokens"),
-                "stage": stage,
-                "lease_ms": 60_000,
-            }
-        )
-    ]
+    echoed = {"rid": h.get("rid"), "session": h.get("session"), "kv_reserved": h.get("max_tokens")}
+    return [pack({"v": 1, "op": "opened", **echoed, "stage": stage, "lease_ms": 60_000})]
 
 
 OPEN_REPLIES: dict[str, Maker] = {

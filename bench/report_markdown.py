@@ -274,6 +274,17 @@ def _latency(r: dict[str, Any], cs: list[int]) -> str:
     )
 
 
+ENGINE_USE_COLUMNS = [
+    "system",
+    "c",
+    "calls",
+    "decode calls",
+    "rows per decode call",
+    "in llama_decode (s)",
+    "share of wall time",
+]
+
+
 def _engine_use(r: dict[str, Any], cs: list[int]) -> str:
     """Per system and concurrency: llama_decode calls, their rows, and the share of the wall time inside them."""
     used = [{**run, **run["engine"]} for run in r["runs"] if run.get("engine")]
@@ -282,23 +293,11 @@ def _engine_use(r: dict[str, Any], cs: list[int]) -> str:
     keys = ("batches", "decode_batches", "decode_rows", "llama_decode_s", "llama_decode_share")
     m = {key: mean_by(used, key) for key in keys}
     rows = []
-    for system in ALL:
-        for c in cs:
-            if c in m["batches"].get(system, {}):
-                calls = m["decode_batches"][system][c]
-                fill = round(m["decode_rows"][system][c] / calls, 2) if calls else None
-                share = f"{m['llama_decode_share'][system][c]:.0%}"
-                rows.append(
-                    [
-                        system,
-                        str(c),
-                        round(m["batches"][system][c], 1),
-                        round(calls, 1),
-                        fill,
-                        round(m["llama_decode_s"][system][c], 2),
-                        share,
-                    ]
-                )
+    for system, c in ((s, c) for s in ALL for c in cs if c in m["batches"].get(s, {})):
+        calls, seconds, share = (m[k][system][c] for k in ("decode_batches", "llama_decode_s", "llama_decode_share"))
+        fill = round(m["decode_rows"][system][c] / calls, 2) if calls else None
+        row = [system, str(c), round(m["batches"][system][c], 1), round(calls, 1), fill]
+        rows.append([*row, round(seconds, 2), f"{share:.0%}"])
     return "\n".join(
         [
             "## Where the time goes: llama_decode calls per run",
@@ -307,18 +306,7 @@ def _engine_use(r: dict[str, Any], cs: list[int]) -> str:
             "and by the bare loop itself; means over repetitions. A call's cost grows slowly with its "
             "rows, so fewer, fuller calls make more tokens per second.",
             "",
-            _table(
-                [
-                    "system",
-                    "c",
-                    "calls",
-                    "decode calls",
-                    "rows per decode call",
-                    "in llama_decode (s)",
-                    "share of wall time",
-                ],
-                rows,
-            ),
+            _table(ENGINE_USE_COLUMNS, rows),
         ]
     )
 
@@ -372,18 +360,9 @@ def _default_mode(r: dict[str, Any]) -> str:
     for x in tf:
         step = parts_at.get(x["rid"])
         at = f"{step}: {x['top2_margins'][step]:.3g}" if step is not None and step < len(x["top2_margins"]) else "–"
-        tf_rows.append(
-            [
-                str(x["rid"]),
-                str(x["steps"]),
-                f"{x['max_abs_diff']:.3g}",
-                f"{x['mean_abs_diff']:.3g}",
-                f"{x['logit_std']:.2f}",
-                f"{x['min_top2_margin']:.3g}",
-                at,
-                str(x["argmax_differs"]),
-            ]
-        )
+        spread = [f"{x['max_abs_diff']:.3g}", f"{x['mean_abs_diff']:.3g}", f"{x['logit_std']:.2f}"]
+        margin = f"{x['min_top2_margin']:.3g}"
+        tf_rows.append([str(x["rid"]), str(x["steps"]), *spread, margin, at, str(x["argmax_differs"])])
     worst = max((x["max_abs_diff"] for x in tf), default=0.0)
     mean = sum(x["mean_abs_diff"] for x in tf) / max(len(tf), 1)
     scale = min((x["logit_std"] for x in tf), default=0.0)
@@ -524,19 +503,8 @@ def _gateway(r: dict[str, Any]) -> str:
     if g is None:
         return ""
     results: dict[str, list[dict[str, Any]]] = g["results"]
-    rows = [
-        [
-            system,
-            str(x["concurrency"]),
-            x["tok_s"],
-            x["ttft_p50_ms"],
-            x["ttft_p99_ms"],
-            x["itl_p50_ms"],
-            x["itl_p99_ms"],
-        ]
-        for system, xs in results.items()
-        for x in xs
-    ]
+    keys = ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
+    rows = [[system, str(x["concurrency"]), *(x[k] for k in keys)] for system, xs in results.items() for x in xs]
     server = next((xs for system, xs in results.items() if system.startswith("llama-server")), None)
     ratios = []
     if server is not None:
