@@ -138,13 +138,8 @@ class Outcomes:
         self.answer_s[outcome] = round(max(self.answer_s.get(outcome, 0.0), seconds), 3)
 
     def report(self) -> dict[str, Any]:
-        return {
-            "sent": self.sent,
-            "opens": dict(self.opens),
-            "steps": dict(self.steps),
-            "generates": dict(self.generates),
-            "longest_answer_s": self.answer_s,
-        }
+        counts = {"opens": dict(self.opens), "steps": dict(self.steps), "generates": dict(self.generates)}
+        return {"sent": self.sent, **counts, "longest_answer_s": self.answer_s}
 
 
 async def _close_quietly(client: Client, session: str, out: Outcomes) -> None:
