@@ -150,15 +150,8 @@ QUICK = Plan(
     quiet_s=2.0,
 )
 
-SINGLE, HEAD, TAIL, RESTART_HEAD, MALFORMED_HEAD, FAKE = (
-    "single",
-    "chain-head",
-    "chain-tail",
-    "restart-head",
-    "malformed-head",
-    "fake-stage",
-)
-RESTART_TAIL = "restart-tail"
+SINGLE, HEAD, TAIL, FAKE = "single", "chain-head", "chain-tail", "fake-stage"
+RESTART_HEAD, RESTART_TAIL, MALFORMED_HEAD = "restart-head", "restart-tail", "malformed-head"
 ATTACKED = (SINGLE, HEAD, TAIL, RESTART_HEAD, MALFORMED_HEAD)
 ROLE_TARGETS = {
     "garbage": ATTACKED,
@@ -238,7 +231,7 @@ async def tail_cycles(tail: RestartedTail, plan: Plan, until: float, t0: float) 
     return cycles
 
 
-async def watch(procs: Processes, tail: RestartedTail) -> None:
+async def watch(procs: Processes) -> None:
     """Record a crash the moment it happens (the restarting tail's own start records its crash itself)."""
     while True:
         procs.check("the chaos run")
@@ -294,17 +287,10 @@ async def targets(run: Run) -> dict[str, Target]:
         stats = await node_stats(run.addresses[name])
         if stats is None:
             raise RuntimeError(f"{name} does not answer `stats`")
+        limits = {k: stats[k] for k in ("max_text_bytes", "max_text_tokens", "max_header_bytes", "max_message_bytes")}
+        address = run.addresses[name]
         out[name] = Target(
-            name,
-            run.addresses[name],
-            first=name != TAIL,
-            last=True,
-            n_vocab=stage.n_vocab,
-            n_embd=stage.n_embd,
-            max_text_bytes=stats["max_text_bytes"],
-            max_text_tokens=stats["max_text_tokens"],
-            max_header_bytes=stats["max_header_bytes"],
-            max_message_bytes=stats["max_message_bytes"],
+            name, address, first=name != TAIL, last=True, n_vocab=stage.n_vocab, n_embd=stage.n_embd, **limits
         )
     return out
 
@@ -319,26 +305,19 @@ async def valid_requests(run: Run) -> list[Request]:
     return make_requests(corpus, plan.valid_requests, plan.valid_max_new, seed=plan.seed, max_prompt=48, bos=bos)
 
 
-def peer_command(role: str, targets_file: Path, plan: Plan, quota: int, seed: int) -> list[str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "bench.chaos_peer",
-        role,
-        "--targets",
-        str(targets_file),
-        "--seconds",
-        f"{plan.attack_s:g}",
-        "--quota",
-        str(quota),
-        "--seed",
-        str(seed),
-    ]
+def peer_command(role: str, targets_file: Path, seconds: float, *options: str) -> list[str]:
+    """A hostile peer's (or the prober's) command line: bench/chaos_peer.py."""
+    peer = [sys.executable, "-m", "bench.chaos_peer", role]
+    return [*peer, "--targets", str(targets_file), "--seconds", f"{seconds:g}", *options]
+
+
+def attacker_command(role: str, targets_file: Path, plan: Plan, quota: int, seed: int) -> list[str]:
+    options = ["--quota", str(quota), "--seed", str(seed)]
     if role == "huge":
-        cmd += ["--oversize", str(plan.oversize_per_target)]
+        options += ["--oversize", str(plan.oversize_per_target)]
     if role == "never_read":
-        cmd += ["--per-connection", str(plan.never_read_per_connection)]
-    return cmd
+        options += ["--per-connection", str(plan.never_read_per_connection)]
+    return peer_command(role, targets_file, plan.attack_s, *options)
 
 
 async def attack(run: Run, t0: float) -> None:
@@ -352,16 +331,7 @@ async def attack(run: Run, t0: float) -> None:
         files[role] = peers_dir / f"{role}.targets.json"
         files[role].write_text(json.dumps([asdict(nodes[n]) for n in names]))
     async with trio.open_nursery() as nursery:
-        probe_cmd = [
-            sys.executable,
-            "-m",
-            "bench.chaos_peer",
-            "probe",
-            "--targets",
-            str(files["probe"]),
-            "--seconds",
-            str(PROBE_MAX_S),
-        ]
+        probe_cmd = peer_command("probe", files["probe"], PROBE_MAX_S)
         probe = await nursery.start(partial(run_peer, probe_cmd, peers_dir / "probe.json", peers_dir / "probe.log"))
         await trio.sleep(plan.quiet_s)  # the prober's pings of idle nodes: the latency the attack is compared with
         say(f"solo runs: {len(requests)} requests, {plan.valid_max_new} tokens each, alone on {SINGLE} and {HEAD}")
@@ -383,7 +353,7 @@ async def attack(run: Run, t0: float) -> None:
         peaks: dict[str, dict[str, int]] = {}
         async with trio.open_nursery() as attackers:
             for seed, (role, quota) in enumerate(plan.quotas):
-                cmd = peer_command(role, files[role], plan, quota, plan.seed + seed)
+                cmd = attacker_command(role, files[role], plan, quota, plan.seed + seed)
                 await attackers.start(partial(run_peer, cmd, peers_dir / f"{role}.json", peers_dir / f"{role}.log"))
             for name in (SINGLE, HEAD):
                 attackers.start_soon(
@@ -505,7 +475,7 @@ def start_nodes(procs: Processes, plan: Plan, work: Path) -> tuple[dict[str, str
 async def measure(run: Run) -> dict[str, Any]:
     t0 = time.monotonic()
     async with trio.open_nursery() as background:
-        background.start_soon(watch, run.procs, run.tail)
+        background.start_soon(watch, run.procs)
         background.start_soon(sample_memory, run.procs, run.tracks, t0)
         await attack(run, t0)
         background.cancel_scope.cancel()

@@ -22,7 +22,7 @@ from typing import Any
 import trio
 
 from bench.corruption import first_difference
-from bench.node_driver import OpenRefused, closed_loop, generate
+from bench.node_driver import OpenRefused, each_alone, generate
 from bench.workload import Request
 from neuron_tai.client import Client, ClientClosed, NodeError, open_client
 
@@ -31,12 +31,8 @@ OPEN_ATTEMPTS = 200  # a valid session's open is retried this often while the no
 
 async def solo_tokens(address: str, requests: Sequence[Request], tag: str) -> dict[int, list[int]]:
     """Each request alone on the node: the reference its runs under attack must equal."""
-    out: dict[int, list[int]] = {}
     async with open_client(address, timeout_s=60) as client:
-        for req in requests:
-            traces, _ = await closed_loop(client, [req], 1, f"{tag}-{req.rid}")
-            out[req.rid] = traces[0].tokens
-    return out
+        return await each_alone(client, requests, tag)
 
 
 @dataclass(slots=True)
@@ -142,13 +138,8 @@ class Outcomes:
         self.answer_s[outcome] = round(max(self.answer_s.get(outcome, 0.0), seconds), 3)
 
     def report(self) -> dict[str, Any]:
-        return {
-            "sent": self.sent,
-            "opens": dict(self.opens),
-            "steps": dict(self.steps),
-            "generates": dict(self.generates),
-            "longest_answer_s": self.answer_s,
-        }
+        counts = {"opens": dict(self.opens), "steps": dict(self.steps), "generates": dict(self.generates)}
+        return {"sent": self.sent, **counts, "longest_answer_s": self.answer_s}
 
 
 async def _close_quietly(client: Client, session: str, out: Outcomes) -> None:

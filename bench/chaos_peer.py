@@ -23,22 +23,20 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import signal
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import msgpack
 import zmq
 
 from bench import hostile
-from bench.hostile import Frames, Target, header, int32
+from bench.hostile import Frames, Stop, Target, header, int32
 
 REPLY_LOST_S = 10.0  # a reply later than this is counted unanswered
 DRAIN_S = 10.0  # after the last message, how long replies are awaited
@@ -46,14 +44,6 @@ PROBE_PERIOD_S = 0.02
 PROBE_LOST_S = 5.0
 
 Ctx = zmq.Context[zmq.Socket[bytes]]
-
-
-class _Stop:
-    requested = False
-
-
-def _on_signal(_signum: int, _frame: FrameType | None) -> None:
-    _Stop.requested = True
 
 
 def reply_kind(frames: list[bytes]) -> tuple[str, dict[str, Any]]:
@@ -181,7 +171,7 @@ def pump(channels: list[Channel], seconds: float) -> None:
         poller.register(ch.sock, zmq.POLLIN)
         by_sock[ch.sock] = ch
     start = time.monotonic()
-    while not _Stop.requested:
+    while not Stop.requested:
         now = time.monotonic()
         progress = min(1.0, (now - start) / seconds) if seconds > 0 else 1.0
         for ch in channels:
@@ -315,19 +305,23 @@ def role_huge(
     return summary(channels)
 
 
+def paced(n: int, seconds: float, targets: list[Target]) -> Iterator[tuple[int, Target]]:
+    """`n` connections spread evenly over `seconds`, the targets in turn, until a stop is asked for."""
+    start = time.monotonic()
+    for k in range(n):
+        if Stop.requested:
+            return
+        time.sleep(max(0.0, start + k * seconds / n - time.monotonic()))
+        yield k, targets[k % len(targets)]
+
+
 def role_never_read(
     ctx: Ctx, targets: list[Target], seconds: float, quota: int, _rng: random.Random, per_connection: int
 ) -> dict[str, Any]:
     """Connections that open two sessions, then send `stats` without ever reading: the node parks
     their replies and, past its limit, treats them as gone and frees their sessions."""
     tally = Tally()
-    connections = max(len(targets), quota // per_connection)
-    start = time.monotonic()
-    for k in range(connections):
-        if _Stop.requested:
-            break
-        time.sleep(max(0.0, start + k * seconds / connections - time.monotonic()))
-        t = targets[k % len(targets)]
+    for k, t in paced(max(len(targets), quota // per_connection), seconds, targets):
         sock = dealer(ctx, t.address, RCVHWM=1, RCVBUF=4096)
         for j in range(2):
             tally.ask(sock, [header("open", j, session=f"nr-{k}-{j}", max_tokens=32)])
@@ -343,14 +337,8 @@ def role_never_read(
 def role_vanish(ctx: Ctx, targets: list[Target], seconds: float, quota: int, rng: random.Random) -> dict[str, Any]:
     """Connections that open sessions and disappear without closing them, four ways in turn."""
     tally = Tally()
-    vanishers = max(len(targets), quota // 3)
-    start = time.monotonic()
     opened = 0
-    for k in range(vanishers):
-        if _Stop.requested:
-            break
-        time.sleep(max(0.0, start + k * seconds / vanishers - time.monotonic()))
-        t = targets[k % len(targets)]
+    for k, t in paced(max(len(targets), quota // 3), seconds, targets):
         sock = dealer(ctx, t.address)
         prompt = int32([1, *(rng.randrange(3, t.n_vocab) for _ in range(7))])
         way = (k // len(targets)) % 4  # every target sees every way
@@ -386,7 +374,7 @@ def role_probe(ctx: Ctx, targets: list[Target], seconds: float) -> dict[str, Any
     due = dict.fromkeys(socks, time.perf_counter())
     rid = 0
     end = time.monotonic() + seconds
-    while not _Stop.requested and time.monotonic() < end:
+    while not Stop.requested and time.monotonic() < end:
         now = time.perf_counter()
         for name, s in socks.items():
             if name not in in_flight and now >= due[name]:
@@ -421,8 +409,7 @@ def main() -> int:
     parser.add_argument("--oversize", type=int, default=2, help="huge: frames over the message limit per target")
     parser.add_argument("--per-connection", type=int, default=2000, help="never_read: messages per connection")
     args = parser.parse_args()
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGINT, _on_signal)
+    Stop.on_signals()
     targets = [Target(**t) for t in json.loads(args.targets.read_text())]
     rng = random.Random(args.seed)
     ctx: Ctx = zmq.Context()
@@ -439,7 +426,7 @@ def main() -> int:
             out = roles[args.role](ctx, targets, args.seconds, args.quota, rng)
     finally:
         ctx.destroy(linger=0)
-    out.update(role=args.role, seconds=round(time.monotonic() - started, 2), interrupted=_Stop.requested)
+    out.update(role=args.role, seconds=round(time.monotonic() - started, 2), interrupted=Stop.requested)
     print(json.dumps(out), flush=True)
     return 0
 

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -12,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import command_line, shown, write_evidence
+from bench.common import EVIDENCE, shown, write_evidence
 from bench.progress import say
 
 # Classes whose every message must be answered (the others: the peer does not read, or leaves).
@@ -159,12 +158,8 @@ def held_failures(after_lease: Mapping[str, Mapping[str, Any] | None]) -> list[s
 
 def publish(payload: dict[str, Any], evidence: str, out: Path | None, quick_path: Path, part: str) -> int:
     """Write a part's JSON (a full run without `out`: into evidence/), say its verdict; its exit status."""
-    if payload["plan"]["mode"] == "full" and out is None:
-        path = write_evidence(evidence, payload)
-    else:
-        path = out or quick_path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"command": command_line(), **payload}, indent=1) + "\n")
+    path = out or (EVIDENCE / evidence if payload["plan"]["mode"] == "full" else quick_path)
+    path = write_evidence(path.name, payload, path.parent)
     say(f"wrote {shown(path)} in {payload['seconds']} s")
     if payload["failures"]:
         print(f"FAILED ({part}):\n  " + "\n  ".join(payload["failures"]), file=sys.stderr)

@@ -1,4 +1,4 @@
-"""Shared bench pieces: the bench model, prompts, the bare llama_decode loop, evidence files."""
+"""Shared bench pieces: the bench model, prompts, evidence files, console tables."""
 
 from __future__ import annotations
 
@@ -17,9 +17,10 @@ from typing import Any, TypeVar
 import llama_cpp as lc
 import numpy as np
 
-from engine.backend import ContextConfig, StageBackend, context_params
+from bench.bare_loop import BareLoop as BareLoop  # noqa: PLC0414 - re-exported: the sweeps import it from here
+from engine.backend import StageBackend
 from engine.kernels import cpu_features
-from engine.llama_handles import LlamaModel, ensure_backend
+from engine.llama_handles import extra_buffer_types
 
 logging.getLogger("llama.cpp").setLevel(logging.ERROR)
 
@@ -117,95 +118,28 @@ def commit() -> str:
     return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
+def evidence_meta() -> dict[str, Any]:
+    """What makes a result evidence: the command, the date, the commit, the machine and its CPU, llama.cpp."""
+    cpu = cpu_features()
+    return {
+        "command": command_line(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "commit": commit(),
+        "machine": f"{platform.machine()}, {cpu.model}, {os.cpu_count()} cores, python {platform.python_version()}",
+        "cpu": cpu.summary(),
+        "extra_buffer_types": list(extra_buffer_types()),  # where llama.cpp may put weights besides plain CPU
+        "llama_cpp_python": lc.__version__,
+    }
+
+
 def write_evidence(name: str, payload: dict[str, Any], directory: Path = EVIDENCE) -> Path:
-    """`directory/name`: the payload after what makes it evidence (command, date, machine, CPU, commit)."""
+    """`directory/name`: `evidence_meta()`, then the payload (a payload's own `command` or `commit` wins)."""
     directory.mkdir(parents=True, exist_ok=True)
     if (chosen := os.environ.get(MODEL_ENV)) and directory == EVIDENCE:  # beside the default model's, not over it
         name = f"{Path(name).stem}-{Path(chosen).name.removesuffix('.gguf')}{Path(name).suffix}"
     path = directory / name
-    cpu = cpu_features()
-    meta = {
-        "command": command_line(),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "commit": commit(),
-        "machine": f"{platform.machine()}, {cpu.model}, python {platform.python_version()}",
-        "cpu": cpu.summary(),
-        "llama_cpp_python": lc.__version__,
-    }
-    path.write_text(json.dumps({**meta, **payload}, indent=2) + "\n")
+    path.write_text(json.dumps({**evidence_meta(), **payload}, indent=1) + "\n")
     return path
-
-
-class BareLoop:
-    """The ceiling: a plain Python loop over llama_decode with llama.cpp's own batch and samplers."""
-
-    def __init__(self, model: Path, config: ContextConfig) -> None:
-        ensure_backend()
-        self.model = LlamaModel(model, config.kernels)
-        self.ctx = lc.llama_init_from_model(self.model.ptr, context_params(config))
-        self.n_batch = config.n_batch
-        self.batch = lc.llama_batch_init(config.n_batch, 0, 1)
-        self.sampler = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
-        lc.llama_sampler_chain_add(self.sampler, lc.llama_sampler_init_greedy())
-        # What `decode` did, counted as a node's engine counts it (`stats`).
-        self.counters: dict[str, float] = dict.fromkeys(
-            ("batches", "decode_batches", "decode_rows", "prefill_tokens", "llama_decode_s"), 0
-        )
-
-    def decode(self, *, prefill: bool) -> None:
-        """llama_decode of the filled batch, counted and timed."""
-        n = self.batch.n_tokens
-        start = time.perf_counter()
-        rc = lc.llama_decode(self.ctx, self.batch)
-        self.counters["llama_decode_s"] += time.perf_counter() - start
-        assert rc == 0, f"llama_decode returned {rc}"
-        self.counters["batches"] += 1
-        self.counters["prefill_tokens" if prefill else "decode_rows"] += n
-        self.counters["decode_batches"] += 0 if prefill else 1
-
-    def fill(self, rows: Sequence[tuple[int, int, int, bool]]) -> None:
-        b = self.batch
-        b.n_tokens = len(rows)
-        for i, (seq, pos, tok, out) in enumerate(rows):
-            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = tok, pos, 1, out
-            b.seq_id[i][0] = seq
-
-    def decode_rate(
-        self, prompts: Sequence[Sequence[int]], steps: int, *, time_prefill: bool = False
-    ) -> tuple[float, list[list[int]]]:
-        """Prefill all prompts in one batch, then `steps` greedy decode steps of all sequences.
-
-        Returns tokens per second (decode steps only, or with `time_prefill` every generated
-        token over the whole run) and the tokens.
-        """
-        mem = lc.llama_get_memory(self.ctx)
-        lc.llama_memory_clear(mem, True)
-        run_start = time.perf_counter()
-        rows = [(s, p, t, p == len(pr) - 1) for s, pr in enumerate(prompts) for p, t in enumerate(pr)]
-        self.fill(rows)
-        assert lc.llama_decode(self.ctx, self.batch) == 0
-        out_rows = [i for i, r in enumerate(rows) if r[3]]
-        last = [lc.llama_sampler_sample(self.sampler, self.ctx, i) for i in out_rows]
-        pos = [len(p) for p in prompts]
-        tokens = [[t] for t in last]
-        start = time.perf_counter()
-        for _ in range(steps):
-            self.fill([(s, pos[s], last[s], True) for s in range(len(prompts))])
-            assert lc.llama_decode(self.ctx, self.batch) == 0
-            last = [lc.llama_sampler_sample(self.sampler, self.ctx, i) for i in range(len(prompts))]
-            for s in range(len(prompts)):
-                pos[s] += 1
-                tokens[s].append(last[s])
-        end = time.perf_counter()
-        if time_prefill:
-            return len(prompts) * (steps + 1) / (end - run_start), tokens
-        return len(prompts) * steps / (end - start), tokens
-
-    def close(self) -> None:
-        lc.llama_sampler_free(self.sampler)
-        lc.llama_batch_free(self.batch)
-        lc.llama_free(self.ctx)
-        self.model.close()
 
 
 def prompt_tokens(backend: StageBackend, n: int) -> list[list[int]]:

@@ -3,10 +3,10 @@
 A single node and a 2-stage chain (layers split in two, one llama.cpp thread per stage),
 each started twice from the same flags: plain, and requiring CURVE (keys on the client
 link and, in the chain, on the link between the stages). 8 sessions at once generate
-`--steps` tokens each over ZeroMQ on loopback. Repetitions interleave plain and CURVE
-(ABBA), and the ratio is the median of the paired per-repetition ratios (CURVE over
-plain), so load drifting on a shared machine affects both sides alike. Writes
-evidence/curve.json with {single_ratio, chain2_ratio, ...} and the command.
+`--steps` tokens each over ZeroMQ on loopback (bench.node_driver: the node runs the token
+loop). Repetitions interleave plain and CURVE (ABBA), and the ratio is the median of the
+paired per-repetition ratios (CURVE over plain), so load drifting on a shared machine
+affects both sides alike. Writes evidence/curve.json with {single_ratio, chain2_ratio, ...}.
 
     python -m bench.curve_cost [--reps 4] [--steps 48]
     python -m bench.curve_cost --quick        # the tiny test model: checks the script runs
@@ -19,18 +19,17 @@ import os
 os.environ.setdefault("GOMP_SPINCOUNT", "20000")  # what `neuron-tai serve` uses
 
 import argparse
-import json
-import shlex
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import trio
 
-from bench.common import PROMPT_TEXTS, WORK, bench_model, paired_ratio, table
+from bench.common import EVIDENCE, PROMPT_TEXTS, WORK, bench_model, paired_ratio, shown, table, write_evidence
+from bench.node_driver import closed_loop
 from bench.processes import SWEEP_SERVE, Processes, free_ports, node_ready, open_processes, serve_command
-from neuron_tai.client import Client, open_client
+from bench.workload import Request
+from neuron_tai.client import open_client
 from neuron_tai.security import create_key_pair
 from neuron_tai.shard import read_model_layers, stage_bounds, write_stages
 
@@ -69,31 +68,14 @@ def start(procs: Processes, name: str, model: Path, threads: int, extra: list[st
     return address
 
 
-async def one_session(client: Client, name: str, ids: list[int], steps: int) -> int:
-    await client.open(name, len(ids) + steps + 1)
-    r = await client.step(name, 0, tokens=ids)
-    for i in range(steps):
-        assert r.token is not None
-        r = await client.step(name, len(ids) + i, tokens=[r.token])
-    await client.close(name)
-    return steps + 1
-
-
 async def throughput(address: str, client_keys: ClientKeys, steps: int, tag: str) -> float:
     """Tokens per second of CONCURRENCY sessions at once on one client connection."""
     server_key, key = client_keys or (None, None)
     async with open_client(address, timeout_s=300, server_key=server_key, key=key) as client:
         prompts = [await client.tokenize(PROMPT_TEXTS[i % len(PROMPT_TEXTS)]) for i in range(CONCURRENCY)]
-        counts: list[int] = []
-
-        async def run(i: int) -> None:
-            counts.append(await one_session(client, f"{tag}-{i}", prompts[i], steps))
-
-        begin = time.perf_counter()
-        async with trio.open_nursery() as nursery:
-            for i in range(CONCURRENCY):
-                nursery.start_soon(run, i)
-        return sum(counts) / (time.perf_counter() - begin)
+        requests = [Request(i, tuple(p), steps + 1) for i, p in enumerate(prompts)]
+        traces, wall = await closed_loop(client, requests, CONCURRENCY, tag)
+    return sum(len(t.tokens) for t in traces) / wall
 
 
 async def measure(
@@ -130,7 +112,7 @@ def main() -> int:
         args.reps, args.steps = min(args.reps, 2), min(args.steps, 8)
         out = args.out or work / "curve-quick.json"
     else:
-        out = args.out or Path(__file__).resolve().parent.parent / "evidence" / "curve.json"
+        out = args.out or EVIDENCE / "curve.json"
     shards = write_stages(model, work / "shards", split)
     keys = Keys(work / "keys")
 
@@ -158,8 +140,6 @@ def main() -> int:
             "ratio": round(paired_ratio(kinds["curve"], kinds["plain"]), 3),
         })  # fmt: skip
     payload = {
-        "command": shlex.join(["python", "-m", "bench.curve_cost", *sys.argv[1:]]),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "model": model.name,
         "single_ratio": rows[0]["ratio"],
         "chain2_ratio": rows[1]["ratio"],
@@ -172,11 +152,10 @@ def main() -> int:
         "rows": rows,
         "node_exit_status": stopped,
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(payload, indent=2) + "\n")
+    path = write_evidence(out.name, payload, out.parent)
     print()
     print(table(rows, COLUMNS))
-    print(f"wrote {out}")
+    print(f"wrote {shown(path)}")
     return 0 if all(code == 0 for code in stopped.values()) else 1
 
 

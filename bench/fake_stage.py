@@ -15,35 +15,25 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import signal
 import sys
 from collections import Counter
 from collections.abc import Callable
-from types import FrameType
 from typing import Any
 
 import msgpack
 import numpy as np
 import zmq
 
-from bench.hostile import pack
+from bench.hostile import Stop, pack
 
 Reply = list[list[bytes]]  # the messages sent back (none, one, or more)
 Maker = Callable[[dict[str, Any], int, int], Reply]
 
 
 def _result(h: dict[str, Any], **changes: Any) -> dict[str, Any]:
-    out = {
-        "v": 1,
-        "op": "result",
-        "rid": h.get("rid"),
-        "session": h.get("session"),
-        "pos": h.get("pos"),
-        "n": h.get("n"),
-        "out": h.get("out"),
-    }
-    out.update(changes)
-    return out
+    """A `result` header echoing the request's, with `changes`."""
+    echoed = {key: h.get(key) for key in ("rid", "session", "pos", "n", "out")}
+    return {"v": 1, "op": "result", **echoed, **changes}
 
 
 def _right_payload(h: dict[str, Any], n_vocab: int, n_embd: int) -> bytes:
@@ -113,19 +103,8 @@ def _stage(n_vocab: int, n_embd: int, **changes: Any) -> dict[str, Any]:
 
 
 def _opened(h: dict[str, Any], stage: Any) -> list[bytes]:
-    return [
-        pack(
-            {
-                "v": 1,
-                "op": "opened",
-                "rid": h.get("rid"),
-                "session": h.get("session"),
-                "kv_reserved": h.get("max_tokens"),
-                "stage": stage,
-                "lease_ms": 60_000,
-            }
-        )
-    ]
+    echoed = {"rid": h.get("rid"), "session": h.get("session"), "kv_reserved": h.get("max_tokens")}
+    return [pack({"v": 1, "op": "opened", **echoed, "stage": stage, "lease_ms": 60_000})]
 
 
 OPEN_REPLIES: dict[str, Maker] = {
@@ -170,22 +149,13 @@ class FakeStage:
         return make(h, self.n_vocab, self.n_embd)
 
 
-class _Stop:
-    requested = False
-
-
-def _on_signal(_signum: int, _frame: FrameType | None) -> None:
-    _Stop.requested = True
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--bind", required=True)
     parser.add_argument("--n-vocab", type=int, required=True)
     parser.add_argument("--n-embd", type=int, required=True)
     args = parser.parse_args()
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGINT, _on_signal)
+    Stop.on_signals()
     fake = FakeStage(args.n_vocab, args.n_embd)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
@@ -193,7 +163,7 @@ def main() -> int:
     sock.bind(args.bind)
     print(f"ready {sock.getsockopt_string(zmq.LAST_ENDPOINT)}", flush=True)
     try:
-        while not _Stop.requested:
+        while not Stop.requested:
             if not sock.poll(100):
                 continue
             peer, *frames = sock.recv_multipart()

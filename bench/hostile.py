@@ -10,6 +10,7 @@ to change a node's state, except what `flood_open` opens (and closes right after
 from __future__ import annotations
 
 import random
+import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,18 @@ class Target:
     max_text_tokens: int
     max_header_bytes: int
     max_message_bytes: int
+
+
+class Stop:
+    """Set by SIGTERM or SIGINT in the chaos run's own processes (the peers, the fake stage): their loops end
+    and they report what they did."""
+
+    requested = False
+
+    @classmethod
+    def on_signals(cls) -> None:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda _signum, _frame: setattr(cls, "requested", True))
 
 
 def pack(value: Any) -> bytes:

@@ -25,7 +25,7 @@ PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
 
 def measure(model: Path, kernels: str, steps: int) -> dict[str, Any]:
     """In this process: tok/s of the bare loop at each concurrency, and where the weights went."""
-    from bench.common import BareLoop  # noqa: PLC0415 - loads llama.cpp only in the child
+    from bench.bare_loop import BareLoop  # noqa: PLC0415 - loads llama.cpp only in the child
     from engine.backend import ContextConfig  # noqa: PLC0415
 
     config = ContextConfig(n_seq_max=8, n_ctx=2048, n_batch=512, n_ubatch=512, n_threads=2, kernels=kernels)

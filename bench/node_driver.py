@@ -171,3 +171,19 @@ async def closed_loop(
 
     traces, wall = await run_closed_loop(requests, concurrency, one)
     return [traces[r.rid] for r in requests], wall
+
+
+async def each_alone(
+    client: SessionClient,
+    requests: Sequence[Request],
+    tag: str,
+    *,
+    forced: Mapping[int, Sequence[int]] | None = None,
+    on_logits: LogitsSink | None = None,
+) -> dict[int, list[int]]:
+    """Each request in a session of its own, one after another: the tokens by rid (the solo reference)."""
+    out: dict[int, list[int]] = {}
+    for req in requests:
+        traces, _ = await closed_loop(client, [req], 1, f"{tag}-{req.rid}", forced=forced, on_logits=on_logits)
+        out[req.rid] = traces[0].tokens
+    return out

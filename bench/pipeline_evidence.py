@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 from bench.aggregate import mean_by
-from bench.common import EVIDENCE, ROOT, shown, write_evidence
+from bench.common import EVIDENCE, shown, write_evidence
 from bench.systems import NODE, SERVER
 
 
@@ -74,12 +73,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--report", type=Path, default=EVIDENCE / "DGR-012" / "bench.json")
     parser.add_argument("--multihost", type=Path, default=EVIDENCE / "multihost.json")
-    parser.add_argument("--commit", help="the commit the reports measured (default: the checkout's HEAD)")
     args = parser.parse_args()
-    report = json.loads(args.report.read_text())
-    multihost = json.loads(args.multihost.read_text())
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False)
-    payload = {"commit": args.commit or commit.stdout.strip() or None, **gather(report, multihost)}
+    payload = gather(json.loads(args.report.read_text()), json.loads(args.multihost.read_text()))
     path = write_evidence("pipeline.json", payload)
     print(json.dumps(payload, indent=1))
     print(f"wrote {shown(path)}")

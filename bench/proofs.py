@@ -7,10 +7,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
-from bench.bare_waves import forced_logits
-from bench.common import BareLoop
+from bench.bare_loop import BareLoop, forced_logits
 from bench.corruption import LogitsGap, Mismatch, agreement, exact
-from bench.node_driver import closed_loop
+from bench.node_driver import closed_loop, each_alone
 from bench.progress import say
 from bench.systems import NODE
 from bench.workload import Request
@@ -25,10 +24,7 @@ async def invariant_proof(
         open_client(single_address, timeout_s=300) as single,
         open_client(chain_address, timeout_s=300) as chain,
     ):
-        solo: dict[int, list[int]] = {}
-        for req in primary:
-            traces, _ = await closed_loop(single, [req], 1, f"inv-solo-{req.rid}")
-            solo[req.rid] = traces[0].tokens
+        solo = await each_alone(single, primary, "inv-solo")
         say(f"invariant: {len(primary)} sessions run alone")
         runs: dict[str, dict[int, list[int]]] = {}
         traces, _ = await closed_loop(single, primary, len(primary), "inv-together")
@@ -74,8 +70,7 @@ async def default_mode(
     gap = LogitsGap()
     forced = {r.rid: solo[r.rid] for r in primary}
     async with open_client(address, timeout_s=300) as client:
-        for req in primary:
-            await closed_loop(client, [req], 1, f"tf-solo-{req.rid}", forced=forced, on_logits=gap.keep_solo)
+        await each_alone(client, primary, "tf-solo", forced=forced, on_logits=gap.keep_solo)
         await closed_loop(client, primary, len(primary), "tf-together", forced=forced, on_logits=gap.compare)
     out["teacher_forced"] = gap.summary()
     bare_gap = LogitsGap()

@@ -32,15 +32,13 @@ import trio
 from bench import plots, report_markdown
 from bench.admission import burst
 from bench.aggregate import saturation
-from bench.bare_waves import run_waves
+from bench.bare_loop import BareLoop, run_waves
 from bench.ceiling import ceiling_for
 from bench.common import (
     EVIDENCE,
     WORK,
-    BareLoop,
     bench_model,
-    command_line,
-    commit,
+    evidence_meta,
     interleaved,
     resolve_model,
     shown,
@@ -83,6 +81,10 @@ class Plan:
     out_dir: Path
     seed: int = 12
     workload: str = "prompt"  # a key of bench.workload.WORKLOADS
+    # Requests per client at concurrency c: the first c x per_client (at most `requests`); 0: all of them at every c.
+    per_client: int = 0
+    proofs: bool = True  # the corruption proof, the default-mode analysis and the burst
+    variants: bool = True  # the node with --prefill-share 4 and `Llama` serial, beside the systems the issue names
 
 
 FULL = Plan(
@@ -91,7 +93,7 @@ FULL = Plan(
     max_new=32,
     max_prompt=256,
     concurrencies=(1, 2, 4, 8, 16),
-    reps=2,
+    reps=1,
     kv_cells=4096,
     ctx_per_slot=512,
     build_server=True,
@@ -177,28 +179,17 @@ def start_all(
     limits = ["--max-sessions", str(MAX_SESSIONS), "--max-waiting", str(MAX_SESSIONS), "--kv-cells", str(plan.kv_cells)]
     invariant = ["--batch-invariant"] + (["--flash-attn", "on"] if plan.mode == "quick" else [])
     single = serve("single", model, ports[0], 2, limits)
-    single_fast = serve("single-prefill-share-4", model, ports[8], 2, [*limits, "--prefill-share", "4"])
+    fast = [*limits, "--prefill-share", "4"]
+    single_fast = serve("single-prefill-share-4", model, ports[8], 2, fast) if plan.variants else ""
     tail = serve("chain2-tail", shards[1], ports[1], 1, limits)
     head = serve("chain2-head", shards[0], ports[2], 1, [*limits, "--next", tail])
-    single_inv = serve("single-invariant", model, ports[3], 2, [*limits, *invariant])
-    tail_inv = serve("chain2-invariant-tail", shards[1], ports[4], 1, [*limits, *invariant])
-    head_inv = serve("chain2-invariant-head", shards[0], ports[5], 1, [*limits, *invariant, "--next", tail_inv])
-    burst_node = serve(
-        "burst",
-        model,
-        ports[6],
-        2,
-        [
-            "--max-sessions",
-            "4",
-            "--max-waiting",
-            "4",
-            "--queue-budget",
-            str(plan.burst_queue_bytes),
-            "--kv-cells",
-            str(plan.kv_cells),
-        ],
-    )
+    single_inv = head_inv = burst_node = ""  # the proofs' nodes, started when this report runs the proofs
+    if plan.proofs:
+        single_inv = serve("single-invariant", model, ports[3], 2, [*limits, *invariant])
+        tail_inv = serve("chain2-invariant-tail", shards[1], ports[4], 1, [*limits, *invariant])
+        head_inv = serve("chain2-invariant-head", shards[0], ports[5], 1, [*limits, *invariant, "--next", tail_inv])
+        burst_limits = ["--max-sessions", "4", "--max-waiting", "4", "--queue-budget", str(plan.burst_queue_bytes)]
+        burst_node = serve("burst", model, ports[6], 2, [*burst_limits, "--kv-cells", str(plan.kv_cells)])
     binary, note = server
     port: int | None = None
     if binary is None:
@@ -231,7 +222,7 @@ async def kernel_paths(
     if llm is not None:
         out[PYTHON] = {"kernel_path": llm.kernel_path.value, "weight_buffers": llm.weight_buffers}
     for system, address in ((SINGLE, nodes.single), (NODE_FAST, nodes.single_fast)):
-        if (got := await while_alive(procs, NEEDS[system], "start", partial(node_weights, address))) is not None:
+        if address and (got := await while_alive(procs, NEEDS[system], "start", partial(node_weights, address))):
             out[system] = got
     head = await while_alive(procs, NEEDS[CHAIN], "start", partial(node_weights, nodes.chain))
     tail = await while_alive(procs, NEEDS[CHAIN], "start", partial(node_weights, nodes.chain_tail))
@@ -349,10 +340,11 @@ async def sweep(
 
     runs: dict[str, Run] = {
         SINGLE: partial(node_run, nodes.single, used),
-        NODE_FAST: partial(node_run, nodes.single_fast, used),
         CHAIN: partial(node_run, nodes.chain, used),
         BARE: bare_run,
     }
+    if nodes.single_fast:
+        runs[NODE_FAST] = partial(node_run, nodes.single_fast, used)
     if nodes.server_port is not None:
         runs[SERVER] = server_run
     if llm is not None:
@@ -372,7 +364,8 @@ async def sweep(
             tag = f"{system.replace(' ', '')}-c{c}-r{rep}"
             hit = [n for n in due if n in NEEDS[system]]
             due = [n for n in due if n not in hit]  # a system's process crashes once its run is under way
-            run = partial(runs[system], requests, c, tag, partial(crash_all, hit))
+            share = requests[: plan.per_client * c or None]
+            run = partial(runs[system], share, c, tag, partial(crash_all, hit))
             got = await while_alive(procs, NEEDS[system], f"{system} c={c}", run)
             sampler.phase = "idle"
             if got is None:
@@ -382,22 +375,51 @@ async def sweep(
     return result
 
 
+async def proofs(
+    plan: Plan, nodes: Nodes, procs: Processes, requests: list[Request]
+) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """The corruption proof on the batch-invariant nodes, then the burst beyond the burst node's limits."""
+    primary = requests[:MAX_SESSIONS]
+    partners = [replace(r, rid=100 + r.rid) for r in requests[MAX_SESSIONS : 2 * MAX_SESSIONS]]
+    proof = partial(invariant_proof, nodes.single_inv, nodes.chain_inv, primary, partners)
+    invariant = await while_alive(procs, PROOF_NODES, "the corruption proof", proof)
+    burst_requests = [replace(requests[i % len(requests)], rid=200 + i) for i in range(24)]
+    if procs.alive(("burst",)):
+        queued = f"{plan.burst_queue_bytes} B of queued steps"
+        say(f"burst: 24 clients at once; the node takes 4 sessions, 4 waiting, {queued}")
+    admission = await while_alive(procs, ("burst",), "the burst", partial(burst, nodes.burst, burst_requests))
+    if admission is not None:
+        got, expected = admission["tokens_received"], admission["tokens_expected"]
+        say(
+            f"burst: accepted {admission['accepted']}, refused {admission['refused']}, "
+            f"busy retries {admission['busy_retries']}, tokens {got}/{expected}"
+        )
+    return invariant, admission
+
+
 # -- main -------------------------------------------------------------------------------
 
 
 def plan_for(base: Plan, workload: str, model: Path, out: Path | None, *, named: bool) -> Plan:
     """The plan for one model and workload: a named model's or another workload's report goes beside the default.
 
-    Those run one repetition: `just bench` runs four reports, and repetitions go before systems.
+    `just bench` runs four reports (two models, two workloads) and has 45 minutes on 2 cores. The
+    default report (gemma-3-270m, prompt-heavy) runs everything; a full report beside it cuts
+    repetitions first: one repetition, a client serves 3 requests at each concurrency (1 when
+    decode-heavy: those all have one shape), the proofs run only in the default report (they check
+    the node, not the workload); then systems: no `--prefill-share 4` node, no `Llama` serial.
     """
     plan = replace(base, workload=workload)
-    if workload != "prompt" and base.mode == "full":
+    decode, beside = workload != "prompt", named or workload != "prompt"
+    if decode and base.mode == "full":
         plan = replace(plan, max_new=WORKLOADS[workload].max_new)
-    if named or workload != "prompt":
+    if beside:
         plan = replace(plan, reps=1)
+    if beside and base.mode == "full":
+        plan = replace(plan, per_client=1 if decode else 3, proofs=False, variants=False)
     if out is not None:
         return replace(plan, out_dir=out)
-    if named or workload != "prompt":  # as `python -m bench` places them
+    if beside:  # as `python -m bench` places them
         name = "report" + ("" if workload == "prompt" else f"-{workload}") + (f"-{model.stem}" if named else "")
         return replace(plan, out_dir=base.out_dir / name)
     return plan
@@ -426,7 +448,7 @@ async def run(plan: Plan, model: Path, nodes: Nodes, procs: Processes, faults: F
             f"workload: {len(requests)} requests, prompts {min(lengths)}-{max(lengths)} tokens, "
             f"{plan.max_new} new tokens each, seed {plan.seed}"
         )
-        llm = open_llama(model, plan.ctx_per_slot, 2)
+        llm = open_llama(model, plan.ctx_per_slot, 2) if plan.variants else None
         kernels = await kernel_paths(procs, nodes, bare, llm)
         watched = {"single": nodes.single, "chain2-head": nodes.chain, "chain2-tail": nodes.chain_tail}
         sampler = StatsSampler({name: address for name, address in watched.items() if procs.alive([name])})
@@ -436,29 +458,14 @@ async def run(plan: Plan, model: Path, nodes: Nodes, procs: Processes, faults: F
             result = await sweep(plan, nodes, requests, sampler, bare, llm, procs, faults)
             nursery.cancel_scope.cancel()
         default = None
-        if (SINGLE, 1) in result.tokens:
+        if plan.proofs and (SINGLE, 1) in result.tokens:
             proof = partial(default_mode, nodes.single, result.tokens, primary, bare)
             default = await while_alive(procs, NEEDS[SINGLE], "the default-mode analysis", proof)
     finally:
         if llm is not None:
             llm.close()
         bare.close()
-    partners = [replace(r, rid=100 + r.rid) for r in requests[MAX_SESSIONS : 2 * MAX_SESSIONS]]
-    proof = partial(invariant_proof, nodes.single_inv, nodes.chain_inv, primary, partners)
-    invariant = await while_alive(procs, PROOF_NODES, "the corruption proof", proof)
-    burst_requests = [replace(requests[i % len(requests)], rid=200 + i) for i in range(24)]
-    if procs.alive(("burst",)):
-        say(
-            f"burst: 24 clients at once; the node takes 4 sessions, 4 waiting, {plan.burst_queue_bytes} B of queued "
-            "steps"
-        )
-    admission = await while_alive(procs, ("burst",), "the burst", partial(burst, nodes.burst, burst_requests))
-    if admission is not None:
-        got, expected = admission["tokens_received"], admission["tokens_expected"]
-        say(
-            f"burst: accepted {admission['accepted']}, refused {admission['refused']}, "
-            f"busy retries {admission['busy_retries']}, tokens {got}/{expected}"
-        )
+    invariant, admission = (await proofs(plan, nodes, procs, requests)) if plan.proofs else (None, None)
     systems = {
         s: {
             "processes": list(NEEDS[s]),
@@ -511,19 +518,18 @@ def main() -> int:
         payload = trio.run(run_until_interrupted, partial(run, plan, model, nodes, procs, faults))
     payload["processes"] = [{"name": n, "pid": pid, "exit_status": rc} for n, (pid, rc) in procs.ended.items()]
     payload["crashes"] = [asdict(c) for c in procs.crashed.values()]
+    meta = evidence_meta()
     report = {
-        "command": command_line(),
+        **meta,
         "started": started,
-        "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "finished": meta["date"],
         "plan": {k: shown(v) if isinstance(v, Path) else v for k, v in asdict(plan).items()},
         "model": model.name,
         "workload_name": WORKLOADS[plan.workload].name,
         "chain2_shards": [s.name for s in shards],
         "llama_server": nodes.server_note,
         "sessions_max": MAX_SESSIONS,
-        "commit": commit(),
         "ceiling": ceiling,
-        **report_markdown.machine(),
         **payload,
     }
     report["saturation"] = saturation(report["runs"])

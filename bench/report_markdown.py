@@ -2,31 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import platform
 from typing import Any
-
-import llama_cpp as lc
 
 from bench.aggregate import SATURATION_SHARE, mean_by, saturation
 from bench.systems import ALL, BARE, CHAIN, NODE, NODE_FAST, PYTHON, SERVER
-from engine.kernels import cpu_features
-from engine.llama_handles import extra_buffer_types
-
-
-def machine() -> dict[str, Any]:
-    """The machine and what decides llama.cpp's kernels on it: the CPU's ISA and the build's extra buffer types."""
-    return {
-        "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, {_cores()} cores, "
-        f"python {platform.python_version()}",
-        "llama_cpp_python": lc.__version__,
-        "cpu": cpu_features().summary(),
-        "extra_buffer_types": list(extra_buffer_types()),
-    }
-
-
-def _cores() -> int:
-    return os.cpu_count() or 0
 
 
 def _f(v: Any, digits: int = 1) -> str:
@@ -44,7 +23,7 @@ def _table(header: list[str], rows: list[list[Any]]) -> str:
 def render(r: dict[str, Any]) -> str:
     plan = r["plan"]
     cs = plan["concurrencies"]
-    tok = mean_by(r["runs"], "tok_s")
+    tok = at_every_concurrency(mean_by(r["runs"], "tok_s"), cs)
     systems = [s for s in ALL if s in tok]
     quick = plan["mode"] == "quick"
     parts = [
@@ -54,9 +33,7 @@ def render(r: dict[str, Any]) -> str:
         _ceiling(r, tok, systems, cs),
         _latency(r, cs),
         _engine_use(r, cs),
-        _corruption(r),
-        _default_mode(r),
-        _admission(r),
+        *((_corruption(r), _default_mode(r), _admission(r)) if plan.get("proofs", True) else (NO_PROOFS,)),
         _telemetry(r),
         _pipeline(r),
         _gateway(r),
@@ -65,6 +42,11 @@ def render(r: dict[str, Any]) -> str:
         _next_step(r),
     ]
     return named_tables("\n\n".join(p for p in parts if p) + "\n", caption(r))
+
+
+def at_every_concurrency(tok: dict[str, dict[int, float]], cs: list[int]) -> dict[str, dict[int, float]]:
+    """A system measured once (`Llama serial` serves one request after another) has that figure at every c."""
+    return {s: pts if len(pts) > 1 else dict.fromkeys(cs, *pts.values()) for s, pts in tok.items()}
 
 
 def caption(r: dict[str, Any]) -> str:
@@ -120,7 +102,7 @@ Every figure below is read from `bench.json` of that run. Nothing here is typed 
 {min(prompts)} to {max(prompts)} tokens{mix}, {plan["max_new"]} generated tokens each, greedy,
 end-of-text ignored so every system generates exactly the same number of tokens. At concurrency c,
 c clients each send their next request as soon as the last one is answered (closed loop) until
-all {len(prompts)} are done; aggregate tok/s = generated tokens / wall time, prefill included.
+{_served(plan, len(prompts))} are done; aggregate tok/s = generated tokens / wall time, prefill included.
 {plan["reps"]} repetition(s) per system and concurrency, in alternating order;
 tables show the mean. Nodes: `--max-sessions 8 --max-waiting 8 --kv-cells {plan["kv_cells"]}`, at
 concurrency 16 eight sessions wait for room (their wait counts in TTFT). Single node and
@@ -130,6 +112,15 @@ to an iteration instead of one: more throughput, longer gaps between tokens). Th
 generate on their own (server-side `generate`, streamed, as `neuron-tai generate` does);
 the chain's head runs the token loop and splits its sessions into 2 micro-batches so both
 stages compute at once. The proofs' teacher-forced runs step token by token."""
+
+
+def _served(plan: dict[str, Any], n: int) -> str:
+    """How many of the requests a run at concurrency c serves."""
+    k = plan.get("per_client", 0)
+    if not k:
+        return f"all {n}"
+    why = "every request has one shape: more would repeat the run" if plan["workload"] == "decode" else "for time"
+    return f"the first {'' if k == 1 else k}c of the {n} (the same ones for every system; {why})"
 
 
 def _cpu(r: dict[str, Any]) -> str:
@@ -191,10 +182,7 @@ def _buffers(buffers: dict[str, int]) -> str:
 
 
 def _throughput(r: dict[str, Any], tok: dict[str, dict[int, float]], systems: list[str], cs: list[int]) -> str:
-    rows = []
-    for s in systems:
-        pts = tok[s]
-        rows.append([s, *[pts.get(c, next(iter(pts.values())) if len(pts) == 1 else None) for c in cs]])
+    rows = [[s, *[tok[s].get(c) for c in cs]] for s in systems]
     out = [
         "## Aggregate throughput (generated tok/s)",
         "",
@@ -215,9 +203,7 @@ def _throughput(r: dict[str, Any], tok: dict[str, dict[int, float]], systems: li
             (PYTHON, "Llama serial"),
         ):
             if mine in tok and other in tok:
-                base = tok[other]
-                flat = next(iter(base.values())) if len(base) == 1 else None  # Llama serial: one figure
-                ratio_rows.append([f"{name} / {label}", *[_ratio(tok[mine].get(c), base.get(c, flat)) for c in cs]])
+                ratio_rows.append([f"{name} / {label}", *[_ratio(tok[mine].get(c), tok[other].get(c)) for c in cs]])
     if CHAIN in tok and NODE in tok:
         ratio_rows.append(["chain2 / node", *[_ratio(tok[CHAIN].get(c), tok[NODE].get(c)) for c in cs]])
     out.append(_table(["ratio", *[f"c={c}" for c in cs]], ratio_rows))
@@ -246,10 +232,7 @@ def _ceiling(r: dict[str, Any], tok: dict[str, dict[int, float]], systems: list[
         return "## The physical ceiling\n\nNot measured: llama-batched-bench is not built (`just bench` builds it)."
     s_tg = {int(b): v for b, v in ceiling["s_tg"].items()}
     rows: list[list[Any]] = [["llama-batched-bench S_TG (tok/s)", *[s_tg.get(c) for c in cs]]]
-    for s in systems:
-        pts = tok[s]
-        flat = next(iter(pts.values())) if len(pts) == 1 else None
-        rows.append([f"{s} / ceiling", *[_ratio(pts.get(c, flat), s_tg.get(c)) for c in cs]])
+    rows += [[f"{s} / ceiling", *[_ratio(tok[s].get(c), s_tg.get(c)) for c in cs]] for s in systems]
     return "\n".join(
         [
             "## The physical ceiling: llama.cpp's own batched decode",
@@ -291,6 +274,17 @@ def _latency(r: dict[str, Any], cs: list[int]) -> str:
     )
 
 
+ENGINE_USE_COLUMNS = [
+    "system",
+    "c",
+    "calls",
+    "decode calls",
+    "rows per decode call",
+    "in llama_decode (s)",
+    "share of wall time",
+]
+
+
 def _engine_use(r: dict[str, Any], cs: list[int]) -> str:
     """Per system and concurrency: llama_decode calls, their rows, and the share of the wall time inside them."""
     used = [{**run, **run["engine"]} for run in r["runs"] if run.get("engine")]
@@ -299,23 +293,11 @@ def _engine_use(r: dict[str, Any], cs: list[int]) -> str:
     keys = ("batches", "decode_batches", "decode_rows", "llama_decode_s", "llama_decode_share")
     m = {key: mean_by(used, key) for key in keys}
     rows = []
-    for system in ALL:
-        for c in cs:
-            if c in m["batches"].get(system, {}):
-                calls = m["decode_batches"][system][c]
-                fill = round(m["decode_rows"][system][c] / calls, 2) if calls else None
-                share = f"{m['llama_decode_share'][system][c]:.0%}"
-                rows.append(
-                    [
-                        system,
-                        str(c),
-                        round(m["batches"][system][c], 1),
-                        round(calls, 1),
-                        fill,
-                        round(m["llama_decode_s"][system][c], 2),
-                        share,
-                    ]
-                )
+    for system, c in ((s, c) for s in ALL for c in cs if c in m["batches"].get(s, {})):
+        calls, seconds, share = (m[k][system][c] for k in ("decode_batches", "llama_decode_s", "llama_decode_share"))
+        fill = round(m["decode_rows"][system][c] / calls, 2) if calls else None
+        row = [system, str(c), round(m["batches"][system][c], 1), round(calls, 1), fill]
+        rows.append([*row, round(seconds, 2), f"{share:.0%}"])
     return "\n".join(
         [
             "## Where the time goes: llama_decode calls per run",
@@ -324,20 +306,15 @@ def _engine_use(r: dict[str, Any], cs: list[int]) -> str:
             "and by the bare loop itself; means over repetitions. A call's cost grows slowly with its "
             "rows, so fewer, fuller calls make more tokens per second.",
             "",
-            _table(
-                [
-                    "system",
-                    "c",
-                    "calls",
-                    "decode calls",
-                    "rows per decode call",
-                    "in llama_decode (s)",
-                    "share of wall time",
-                ],
-                rows,
-            ),
+            _table(ENGINE_USE_COLUMNS, rows),
         ]
     )
+
+
+NO_PROOFS = """## Corruption proof, default mode, burst
+
+Not run in this report: they check the node, not the model's speed or the workload, and `just bench` runs
+them once, in its default report (gemma-3-270m, prompt-heavy)."""
 
 
 def _corruption(r: dict[str, Any]) -> str:
@@ -383,18 +360,9 @@ def _default_mode(r: dict[str, Any]) -> str:
     for x in tf:
         step = parts_at.get(x["rid"])
         at = f"{step}: {x['top2_margins'][step]:.3g}" if step is not None and step < len(x["top2_margins"]) else "–"
-        tf_rows.append(
-            [
-                str(x["rid"]),
-                str(x["steps"]),
-                f"{x['max_abs_diff']:.3g}",
-                f"{x['mean_abs_diff']:.3g}",
-                f"{x['logit_std']:.2f}",
-                f"{x['min_top2_margin']:.3g}",
-                at,
-                str(x["argmax_differs"]),
-            ]
-        )
+        spread = [f"{x['max_abs_diff']:.3g}", f"{x['mean_abs_diff']:.3g}", f"{x['logit_std']:.2f}"]
+        margin = f"{x['min_top2_margin']:.3g}"
+        tf_rows.append([str(x["rid"]), str(x["steps"]), *spread, margin, at, str(x["argmax_differs"])])
     worst = max((x["max_abs_diff"] for x in tf), default=0.0)
     mean = sum(x["mean_abs_diff"] for x in tf) / max(len(tf), 1)
     scale = min((x["logit_std"] for x in tf), default=0.0)
@@ -535,19 +503,8 @@ def _gateway(r: dict[str, Any]) -> str:
     if g is None:
         return ""
     results: dict[str, list[dict[str, Any]]] = g["results"]
-    rows = [
-        [
-            system,
-            str(x["concurrency"]),
-            x["tok_s"],
-            x["ttft_p50_ms"],
-            x["ttft_p99_ms"],
-            x["itl_p50_ms"],
-            x["itl_p99_ms"],
-        ]
-        for system, xs in results.items()
-        for x in xs
-    ]
+    keys = ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
+    rows = [[system, str(x["concurrency"]), *(x[k] for k in keys)] for system, xs in results.items() for x in xs]
     server = next((xs for system, xs in results.items() if system.startswith("llama-server")), None)
     ratios = []
     if server is not None:
@@ -593,10 +550,16 @@ def _compatibility(r: dict[str, Any]) -> str:
         [
             "## Compatibility notes",
             "",
-            "Greedy tokens of each system serving one request at a time, against the node's solo run:",
-            "",
-            _table(["system", "requests identical", "mean token agreement"], rows),
-            "",
+            *(
+                [
+                    "Greedy tokens of each system serving one request at a time, against the node's solo run:",
+                    "",
+                    _table(["system", "requests identical", "mean token agreement"], rows),
+                    "",
+                ]
+                if rows
+                else []
+            ),
             "- The node speaks PROTOCOL.md v1 over ZeroMQ; the peers are driven through their own APIs "
             "(llama-server's `/completion` with token-id prompts, `cache_prompt: false`, "
             "`ignore_eos: true`, streaming; `Llama.generate` with `top_k=1, temp=0` and a reset "

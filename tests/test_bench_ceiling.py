@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from bench.ceiling import parse_table
-from bench.report_markdown import _ceiling, named_tables
+from bench.report_markdown import _ceiling, at_every_concurrency, named_tables
 
 # The table llama-batched-bench prints (the layout of llama.cpp's tools/batched-bench), figures made up.
 PRINTED = """
@@ -34,7 +34,8 @@ def test_report_shows_every_system_as_a_fraction_of_the_ceiling() -> None:
             "s_tg": {"1": 100.0, "2": 160.0, "4": 200.0},
         },
     }
-    tok = {"neuron-tai single": {1: 90.0, 2: 120.0, 4: 210.0}, "Llama serial": {1: 50.0}}
+    measured = {"neuron-tai single": {1: 90.0, 2: 120.0, 4: 210.0}, "Llama serial": {1: 50.0}}
+    tok = at_every_concurrency(measured, [1, 2, 4])
     section = named_tables(_ceiling(report, tok, list(tok), [1, 2, 4]), "Model `m.gguf`:")
     lines = section.splitlines()
     assert "| llama-batched-bench S_TG (tok/s) | 100.0 | 160.0 | 200.0 |" in lines
