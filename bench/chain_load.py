@@ -1,6 +1,6 @@
 """The multi-host bench's client: runs on the client host and prints one JSON object.
 
-    python -m bench.chain_load run ADDR --concurrency 1,2,4 --requests 16 --max-new 32 --max-prompt 256
+    python -m bench.chain_load run ADDR --concurrency 1,2 --requests 16 --max-new 32 --max-prompt 256 --workload decode
     python -m bench.chain_load ping ADDR --count 50
 
 `run` builds the report's workload (bench/workload.py) with the node's own tokenizer and
@@ -22,17 +22,19 @@ import trio
 
 from bench.latency import summarize
 from bench.node_driver import closed_loop
-from bench.workload import CORPUS, make_requests
+from bench.workload import CORPUS, WORKLOADS, make_requests
 from neuron_tai.client import open_client
 
 
 async def run(
-    address: str, concurrencies: list[int], n: int, max_new: int, max_prompt: int, seed: int, tag: str
+    address: str, concurrencies: list[int], n: int, max_new: int, max_prompt: int, seed: int, tag: str, workload: str
 ) -> dict[str, Any]:
     async with open_client(address, timeout_s=300) as client:
         corpus = await client.tokenize(CORPUS, add_special=False)
         start = await client.tokenize("", add_special=True)
-        requests = make_requests(corpus, n, max_new, seed=seed, max_prompt=max_prompt, bos=start[0] if start else None)
+        bos = start[0] if start else None
+        buckets = WORKLOADS[workload].buckets
+        requests = make_requests(corpus, n, max_new, seed=seed, max_prompt=max_prompt, bos=bos, buckets=buckets)
         await closed_loop(client, requests[:1], 1, f"{tag}-warm")  # connections and caches warm, unmeasured
         runs = []
         for c in concurrencies:
@@ -63,13 +65,22 @@ def main() -> int:
     r.add_argument("--max-prompt", type=int, default=256)
     r.add_argument("--seed", type=int, default=12)
     r.add_argument("--tag", default="load")
+    r.add_argument("--workload", choices=sorted(WORKLOADS), default="prompt", help="prompt lengths (bench/workload.py)")
     p = sub.add_parser("ping")
     p.add_argument("address")
     p.add_argument("--count", type=int, default=50)
     args = parser.parse_args()
     if args.cmd == "run":
         out = trio.run(
-            run, args.address, args.concurrency, args.requests, args.max_new, args.max_prompt, args.seed, args.tag
+            run,
+            args.address,
+            args.concurrency,
+            args.requests,
+            args.max_new,
+            args.max_prompt,
+            args.seed,
+            args.tag,
+            args.workload,
         )
     else:
         out = trio.run(ping, args.address, args.count)
