@@ -51,7 +51,7 @@ from neuron_tai.shard import weight_balanced_bounds, write_stages
 HOSTS = ("client", "s0", "s1")
 LINKS = (("client", "s0"), ("s0", "s1"))
 HEAD_CORE, TAIL_CORE = 0, 1  # the single node runs on the head's core, measured while the chain idles
-MAX_SESSIONS = 8
+MAX_SESSIONS = 16  # every session of the highest concurrency runs at once
 SCALE_COLUMNS = ["workload", "concurrency", "single_tok_s", "chain_tok_s", "efficiency"]
 LATENCY_COLUMNS = [
     "delay_ms",
@@ -96,7 +96,7 @@ FULL = Plan(
     concurrencies=(1, 2, 4, 8, 16),
     delays_ms=(0, 2, 5),
     latency_concurrency=8,
-    kv_cells=4096,
+    kv_cells=8192,  # 16 sessions of the longest prompt-heavy request (256 + 32)
     pings=50,
     serve_flags=(),
 )
