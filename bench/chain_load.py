@@ -2,11 +2,13 @@
 
     python -m bench.chain_load run ADDR --concurrency 1,2 --requests 16 --max-new 32 --max-prompt 256 --workload decode
     python -m bench.chain_load ping ADDR --count 50
+    python -m bench.chain_load stats ADDR [ADDR ...]
 
 `run` builds the report's workload (bench/workload.py) with the node's own tokenizer and
 drives it at each concurrency in a closed loop, the node running the token loop
 (server-side `generate`): tok/s, TTFT and inter-token percentiles, and every request's
-tokens. `ping` times protocol pings, the round trip of a link and the node's answer.
+tokens. `ping` times protocol pings, the round trip of a link and the node's answer; `stats` reads
+each node's compute counters (batches, their seconds, tokens), for what a run cost each stage.
 It is a process of its own so it can run inside the client host's network namespace.
 """
 
@@ -54,6 +56,18 @@ async def ping(address: str, count: int) -> dict[str, Any]:
     return {"address": address, "rtt_ms": [round(x, 3) for x in rtts]}
 
 
+STAT_KEYS = ("batches_total", "decode_tokens_total", "prefill_tokens_total")
+
+
+async def stats(addresses: list[str]) -> dict[str, Any]:
+    out = {}
+    for address in addresses:
+        async with open_client(address, timeout_s=30) as client:
+            got = await client.stats()
+        out[address] = {key: got[key] for key in STAT_KEYS} | {"step_seconds_sum": got["step_seconds"]["sum"]}
+    return {"stats": out}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -69,8 +83,12 @@ def main() -> int:
     p = sub.add_parser("ping")
     p.add_argument("address")
     p.add_argument("--count", type=int, default=50)
+    t = sub.add_parser("stats")
+    t.add_argument("addresses", nargs="+")
     args = parser.parse_args()
-    if args.cmd == "run":
+    if args.cmd == "stats":
+        out = trio.run(stats, args.addresses)
+    elif args.cmd == "run":
         out = trio.run(
             run,
             args.address,

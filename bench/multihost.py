@@ -52,7 +52,18 @@ HOSTS = ("client", "s0", "s1")
 LINKS = (("client", "s0"), ("s0", "s1"))
 HEAD_CORE, TAIL_CORE = 0, 1  # the single node runs on the head's core, measured while the chain idles
 MAX_SESSIONS = 16  # every session of the highest concurrency runs at once
-SCALE_COLUMNS = ["workload", "concurrency", "single_tok_s", "chain_tok_s", "efficiency"]
+SCALE_COLUMNS = [
+    "workload",
+    "concurrency",
+    "single_tok_s",
+    "chain_tok_s",
+    "efficiency",
+    "single_ms_per_token",
+    "chain_ms_per_token",
+    "head_compute_ms",
+    "tail_compute_ms",
+    "hop_ms",
+]
 LATENCY_COLUMNS = [
     "delay_ms",
     "tok_s",
@@ -224,14 +235,53 @@ class Cluster:
         return float(statistics.median(self.client(host, ["ping", address, "--count", str(self.plan.pings)])["rtt_ms"]))
 
 
-def scale_out(cluster: Cluster, single: str, chain: str, workload: str) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class Nodes:
+    """The measured nodes' addresses, each with the host it is read from."""
+
+    single: str
+    head: str
+    tail: str
+
+    def compute_s(self, cluster: Cluster) -> dict[str, float]:
+        """Each node's compute seconds so far (`step_seconds` sum: its llama_decode calls)."""
+        front = cluster.client("client", ["stats", self.single, self.head])["stats"]
+        back = cluster.client("s0", ["stats", self.tail])["stats"]
+        seconds = {name: front[a]["step_seconds_sum"] for name, a in (("single", self.single), ("head", self.head))}
+        return seconds | {"tail": back[self.tail]["step_seconds_sum"]}
+
+
+def _tokens(run: dict[str, Any]) -> int:
+    return sum(len(t) for t in run["tokens"].values())
+
+
+def cost_per_token(one: dict[str, Any], two: dict[str, Any], spent: dict[str, float]) -> dict[str, float]:
+    """Wall and compute milliseconds per generated token: what the hop adds beyond the stages' own compute
+    (chain wall - head compute - tail compute), the single node's own overhead beside it."""
+    n1, n2 = _tokens(one), _tokens(two)
+    single_ms, chain_ms = 1000 * one["wall_s"] / n1, 1000 * two["wall_s"] / n2
+    head, tail = 1000 * spent["head"] / n2, 1000 * spent["tail"] / n2
+    return {
+        "single_ms_per_token": round(single_ms, 2),
+        "single_compute_ms": round(1000 * spent["single"] / n1, 2),
+        "chain_ms_per_token": round(chain_ms, 2),
+        "head_compute_ms": round(head, 2),
+        "tail_compute_ms": round(tail, 2),
+        "hop_ms": round(chain_ms - head - tail, 2),
+    }
+
+
+def scale_out(cluster: Cluster, nodes: Nodes, workload: str) -> dict[str, Any]:
     """The chain (two cores) against the single node (one core), each concurrency alternating between them."""
     rows, raw = [], []
     for c in cluster.plan.concurrencies:
-        one = cluster.load(single, (c,), f"single-{workload}-c{c}", workload)[0]
-        two = cluster.load(chain, (c,), f"chain-{workload}-c{c}", workload)[0]
+        before = nodes.compute_s(cluster)
+        one = cluster.load(nodes.single, (c,), f"single-{workload}-c{c}", workload)[0]
+        two = cluster.load(nodes.head, (c,), f"chain-{workload}-c{c}", workload)[0]
+        after = nodes.compute_s(cluster)
         raw += [{"system": "single", **one}, {"system": "chain2", **two}]
         efficiency = two["tok_s"] / (2 * one["tok_s"]) if one["tok_s"] else None
+        spent = {k: after[k] - before[k] for k in after}
         rows.append(
             {
                 "workload": workload,
@@ -239,6 +289,7 @@ def scale_out(cluster: Cluster, single: str, chain: str, workload: str) -> dict[
                 "single_tok_s": one["tok_s"],
                 "chain_tok_s": two["tok_s"],
                 "efficiency": round(efficiency, 3) if efficiency is not None else None,
+                **cost_per_token(one, two, spent),
             }
         )
         print("scale-out " + ", ".join(f"{k} {v}" for k, v in rows[-1].items()), flush=True)
@@ -308,7 +359,7 @@ def measure(plan: Plan, topo: Topology, procs: Processes, work: Path) -> dict[st
     head = cluster.node("head", "s0", "client", head_model, HEAD_CORE, ["--next", tail])
     chains = [start_delayed_chain(cluster, head_model, tail, d) for d in plan.delays_ms]
     print(f"multihost: single {single}; chain {head} -> {tail}", flush=True)
-    scaled = {w: scale_out(cluster, single, head, w) for w in plan.workloads}
+    scaled = {w: scale_out(cluster, Nodes(single, head, tail), w) for w in plan.workloads}
     first = plan.workloads[0]
     latency = latency_tolerance(cluster, chains, first)
     solo = {w: solo_tokens(s) for w, s in scaled.items()}
