@@ -63,6 +63,9 @@ SCALE_COLUMNS = [
     "head_compute_ms",
     "tail_compute_ms",
     "hop_ms",
+    "single_rows_per_call",
+    "head_rows_per_call",
+    "tail_rows_per_call",
 ]
 LATENCY_COLUMNS = [
     "delay_ms",
@@ -243,27 +246,32 @@ class Nodes:
     head: str
     tail: str
 
-    def compute_s(self, cluster: Cluster) -> dict[str, float]:
-        """Each node's compute seconds so far (`step_seconds` sum: its llama_decode calls)."""
+    def counters(self, cluster: Cluster) -> dict[str, dict[str, float]]:
+        """Each node's compute counters so far: `step_seconds` sum (its llama_decode calls), calls, rows."""
         front = cluster.client("client", ["stats", self.single, self.head])["stats"]
         back = cluster.client("s0", ["stats", self.tail])["stats"]
-        seconds = {name: front[a]["step_seconds_sum"] for name, a in (("single", self.single), ("head", self.head))}
-        return seconds | {"tail": back[self.tail]["step_seconds_sum"]}
+        return {"single": front[self.single], "head": front[self.head], "tail": back[self.tail]}
 
 
 def _tokens(run: dict[str, Any]) -> int:
     return sum(len(t) for t in run["tokens"].values())
 
 
-def cost_per_token(one: dict[str, Any], two: dict[str, Any], spent: dict[str, float]) -> dict[str, float]:
+def cost_per_token(one: dict[str, Any], two: dict[str, Any], spent: dict[str, dict[str, float]]) -> dict[str, float]:
     """Wall and compute milliseconds per generated token: what the hop adds beyond the stages' own compute
-    (chain wall - head compute - tail compute), the single node's own overhead beside it."""
+    (chain wall - head compute - tail compute), the single node's own overhead beside it; and each
+    node's rows per llama_decode call."""
     n1, n2 = _tokens(one), _tokens(two)
     single_ms, chain_ms = 1000 * one["wall_s"] / n1, 1000 * two["wall_s"] / n2
-    head, tail = 1000 * spent["head"] / n2, 1000 * spent["tail"] / n2
-    return {
+    head, tail = (1000 * spent[k]["step_seconds_sum"] / n2 for k in ("head", "tail"))
+    rows = {
+        f"{name}_rows_per_call": round((x["decode_tokens_total"] + x["prefill_tokens_total"]) / x["batches_total"], 2)
+        for name, x in spent.items()
+        if x["batches_total"]
+    }
+    return rows | {
         "single_ms_per_token": round(single_ms, 2),
-        "single_compute_ms": round(1000 * spent["single"] / n1, 2),
+        "single_compute_ms": round(1000 * spent["single"]["step_seconds_sum"] / n1, 2),
         "chain_ms_per_token": round(chain_ms, 2),
         "head_compute_ms": round(head, 2),
         "tail_compute_ms": round(tail, 2),
@@ -275,13 +283,13 @@ def scale_out(cluster: Cluster, nodes: Nodes, workload: str) -> dict[str, Any]:
     """The chain (two cores) against the single node (one core), each concurrency alternating between them."""
     rows, raw = [], []
     for c in cluster.plan.concurrencies:
-        before = nodes.compute_s(cluster)
+        before = nodes.counters(cluster)
         one = cluster.load(nodes.single, (c,), f"single-{workload}-c{c}", workload)[0]
         two = cluster.load(nodes.head, (c,), f"chain-{workload}-c{c}", workload)[0]
-        after = nodes.compute_s(cluster)
+        after = nodes.counters(cluster)
         raw += [{"system": "single", **one}, {"system": "chain2", **two}]
         efficiency = two["tok_s"] / (2 * one["tok_s"]) if one["tok_s"] else None
-        spent = {k: after[k] - before[k] for k in after}
+        spent = {name: {k: after[name][k] - v for k, v in was.items()} for name, was in before.items()}
         rows.append(
             {
                 "workload": workload,
