@@ -95,6 +95,7 @@ class Plan:
     serve_flags: tuple[str, ...]  # beyond sessions, KV and threads
     workloads: tuple[str, ...] = ("prompt", "decode")  # the first one's runs are also the latency runs
     max_new_fixed: bool = False  # `max_new` for every workload (--max-new)
+    nice: int = 0  # the nodes' niceness (--nice)
     seed: int = 12
 
     def new_tokens(self, workload: str) -> int:
@@ -162,7 +163,9 @@ class Cluster:
         self.plan = plan
 
     def _start(self, name: str, host: str, cmd: list[str], core: int | None) -> None:
-        if not self.procs.start(name, self.topo.command(host, cmd, core), node_ready):
+        if not self.procs.start(
+            name, self.topo.command(host, cmd, core, self.plan.nice if core is not None else 0), node_ready
+        ):
             crash = self.procs.crashed[name]
             raise RuntimeError(f"{name} {crash.reason}:\n" + "\n".join(crash.log_tail))
 
@@ -402,6 +405,8 @@ def with_options(plan: Plan, args: argparse.Namespace, parser: argparse.Argument
         plan = replace(plan, workloads=workloads)
     if args.requests:
         plan = replace(plan, requests=args.requests)
+    if args.nice:
+        plan = replace(plan, nice=args.nice)
     if args.max_new:
         plan = replace(plan, max_new=args.max_new, max_new_fixed=True)
     return plan
@@ -417,6 +422,9 @@ def main() -> int:
     parser.add_argument("--workload", help="prompt, decode or both (default prompt,decode; quick: prompt)")
     parser.add_argument("--requests", type=int, help="requests per run (default 16; quick 8)")
     parser.add_argument("--max-new", type=int, help="tokens generated per request in every workload")
+    parser.add_argument(
+        "--nice", type=int, default=0, help="run the nodes at this niceness (e.g. -10: ahead of other work; root)"
+    )
     parser.add_argument("--loopback", action="store_true", help="all hosts on loopback, as without privilege")
     parser.add_argument(
         "--tag",
