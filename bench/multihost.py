@@ -131,27 +131,22 @@ QUICK = Plan(
 )
 
 
-# Splits that balance measured per-stage decode costs (bench/stage_cost.py, one thread per stage,
-# 8 sessions), by model file. Q4_K_M keeps the output projection in Q6_K, whose batched matmul
-# has no repacked kernel: on the Llama-3.2-1B shape the tail's 128k-row projection alone costs
-# about as much as 12 layers at 8 rows, so the head takes most layers.
-MEASURED_SPLITS: dict[str, list[tuple[int, int]]] = {
-    "llama-3.2-1b-shape-q4_k_m.gguf": [(0, 13), (13, 16)],
+# Splits that balance measured per-stage costs, by model file and workload. Llama-3.2-1B shape,
+# one thread per stage: Q4_K_M keeps the tied 128k-row output projection in Q6_K, which has no
+# repacked kernel, so a decode row costs the tail about as much there as 4-5 layers (at 1 and at 8
+# rows: bench/stage_cost.py); at 13:3 and concurrency 8 the head computed 87% of the time and the
+# tail 73% (py-spy), so decode takes 12:4. A prompt's rows reach the projection once, so the
+# prompt-heavy mix (8-256-token prompts, 32 new) is close to an even layer split: 9:7.
+MEASURED_SPLITS: dict[str, dict[str, list[tuple[int, int]]]] = {
+    "llama-3.2-1b-shape-q4_k_m.gguf": {"decode": [(0, 12), (12, 16)], "prompt": [(0, 9), (9, 16)]},
 }
 
 
-def chain_bounds(model: Path) -> list[tuple[int, int]]:
-    """The chain's two layer ranges: the one place the bench chooses its split (until a placement
-    from measured per-layer costs replaces it). A measured split where there is one, else the
-    weight balance (layer bytes, and the output projection on the last stage)."""
-    return MEASURED_SPLITS.get(model.name) or weight_balanced_bounds(model, 2)
-
-
-def models(plan: Plan, work: Path) -> tuple[Path, list[tuple[int, int]], list[Path]]:
-    """The model, the chain's split, and its two halves (head, tail)."""
-    model = bench_model(plan.mode == "quick", work)
-    bounds = chain_bounds(model)
-    return model, bounds, write_stages(model, work / "shards", bounds)
+def chain_bounds(model: Path, workload: str) -> list[tuple[int, int]]:
+    """The chain's two layer ranges for `workload`: the one place the bench chooses its split (until a
+    placement from measured per-layer costs replaces it). A measured split where there is one, else
+    the weight balance (layer bytes, and the output projection on the last stage)."""
+    return MEASURED_SPLITS.get(model.name, {}).get(workload) or weight_balanced_bounds(model, 2)
 
 
 class Cluster:
@@ -362,16 +357,42 @@ def solo_tokens(scaled: dict[str, Any]) -> dict[str, list[int]]:
     return min(runs, key=lambda r: r["concurrency"])["tokens"]  # type: ignore[no-any-return]
 
 
+@dataclass(frozen=True, slots=True)
+class Chain:
+    """A 2-stage chain of one split: its shards and its nodes' addresses."""
+
+    bounds: tuple[tuple[int, int], ...]
+    shards: tuple[Path, Path]
+    head: str
+    tail: str
+
+
+def start_chains(cluster: Cluster, model: Path, work: Path, single: str) -> dict[str, Chain]:
+    """A chain for each workload's split (workloads with the same split share one); the first is
+    named head/tail, the others head-CUT/tail-CUT."""
+    chains: dict[tuple[tuple[int, int], ...], Chain] = {}
+    for workload in cluster.plan.workloads:
+        bounds = tuple(chain_bounds(model, workload))
+        if bounds not in chains:
+            suffix = f"-{bounds[0][1]}" if chains else ""
+            head_model, tail_model = write_stages(model, work / "shards", bounds)
+            tail = cluster.node(f"tail{suffix}", "s1", "s0", tail_model, TAIL_CORE, [])
+            head = cluster.node(f"head{suffix}", "s0", "client", head_model, HEAD_CORE, ["--next", tail])
+            chains[bounds] = Chain(bounds, (head_model, tail_model), head, tail)
+            print(f"multihost: single {single}; chain {head} -> {tail} (layers {bounds})", flush=True)
+    return {w: chains[tuple(chain_bounds(model, w))] for w in cluster.plan.workloads}
+
+
 def measure(plan: Plan, topo: Topology, procs: Processes, work: Path) -> dict[str, Any]:
-    model, bounds, (head_model, tail_model) = models(plan, work)
+    model = bench_model(plan.mode == "quick", work)
     cluster = Cluster(topo, procs, plan)
     single = cluster.node("single", "s0", "client", model, HEAD_CORE, [])
-    tail = cluster.node("tail", "s1", "s0", tail_model, TAIL_CORE, [])
-    head = cluster.node("head", "s0", "client", head_model, HEAD_CORE, ["--next", tail])
-    chains = [start_delayed_chain(cluster, head_model, tail, d) for d in plan.delays_ms]
-    print(f"multihost: single {single}; chain {head} -> {tail}", flush=True)
-    scaled = {w: scale_out(cluster, Nodes(single, head, tail), w) for w in plan.workloads}
+    by_workload = start_chains(cluster, model, work, single)
     first = plan.workloads[0]
+    main = by_workload[first]
+    head_model, tail_model = main.shards
+    chains = [start_delayed_chain(cluster, head_model, main.tail, d) for d in plan.delays_ms]
+    scaled = {w: scale_out(cluster, Nodes(single, c.head, c.tail), w) for w, c in by_workload.items()}
     latency = latency_tolerance(cluster, chains, first)
     solo = {w: solo_tokens(s) for w, s in scaled.items()}
     differing = sum(
@@ -380,7 +401,8 @@ def measure(plan: Plan, topo: Topology, procs: Processes, work: Path) -> dict[st
     )
     return {
         "model": model.name,
-        "bounds": [list(b) for b in bounds],
+        "bounds": [list(b) for b in main.bounds],
+        "bounds_by_workload": {w: [list(b) for b in c.bounds] for w, c in by_workload.items()},
         "shards": [head_model.name, tail_model.name],
         "single_solo_tokens": solo[first],
         "scale_out": scaled[first],  # the first workload's (the latency runs use it too)
