@@ -367,7 +367,7 @@ class Chain:
     tail: str
 
 
-def start_chains(cluster: Cluster, model: Path, work: Path, single: str) -> dict[str, Chain]:
+def start_chains(cluster: Cluster, model: Path, work: Path) -> dict[str, Chain]:
     """A chain for each workload's split (workloads with the same split share one); the first is
     named head/tail, the others head-CUT/tail-CUT."""
     chains: dict[tuple[tuple[int, int], ...], Chain] = {}
@@ -379,7 +379,6 @@ def start_chains(cluster: Cluster, model: Path, work: Path, single: str) -> dict
             tail = cluster.node(f"tail{suffix}", "s1", "s0", tail_model, TAIL_CORE, [])
             head = cluster.node(f"head{suffix}", "s0", "client", head_model, HEAD_CORE, ["--next", tail])
             chains[bounds] = Chain(bounds, (head_model, tail_model), head, tail)
-            print(f"multihost: single {single}; chain {head} -> {tail} (layers {bounds})", flush=True)
     return {w: chains[tuple(chain_bounds(model, w))] for w in cluster.plan.workloads}
 
 
@@ -387,11 +386,13 @@ def measure(plan: Plan, topo: Topology, procs: Processes, work: Path) -> dict[st
     model = bench_model(plan.mode == "quick", work)
     cluster = Cluster(topo, procs, plan)
     single = cluster.node("single", "s0", "client", model, HEAD_CORE, [])
-    by_workload = start_chains(cluster, model, work, single)
+    by_workload = start_chains(cluster, model, work)
     first = plan.workloads[0]
     main = by_workload[first]
     head_model, tail_model = main.shards
     chains = [start_delayed_chain(cluster, head_model, main.tail, d) for d in plan.delays_ms]
+    shown_chains = {c.bounds: f"{c.head} -> {c.tail} (layers {c.bounds})" for c in by_workload.values()}
+    print(f"multihost: single {single}; chain {'; '.join(shown_chains.values())}", flush=True)  # all started
     scaled = {w: scale_out(cluster, Nodes(single, c.head, c.tail), w) for w, c in by_workload.items()}
     latency = latency_tolerance(cluster, chains, first)
     solo = {w: solo_tokens(s) for w, s in scaled.items()}
