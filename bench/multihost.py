@@ -96,6 +96,7 @@ class Plan:
     workloads: tuple[str, ...] = ("prompt", "decode")  # the first one's runs are also the latency runs
     max_new_fixed: bool = False  # `max_new` for every workload (--max-new)
     nice: int = 0  # the nodes' niceness (--nice)
+    micro_batches: int | None = None  # the heads' --micro-batches (None: the node's default)
     seed: int = 12
 
     def new_tokens(self, workload: str) -> int:
@@ -316,7 +317,7 @@ class DelayedChain:
 def start_delayed_chain(cluster: Cluster, head_model: Path, tail: str, delay_ms: float) -> DelayedChain:
     name = f"{delay_ms:g}ms"
     tail_proxy = cluster.proxy(f"proxy-s0-s1-{name}", "s1", tail, delay_ms)
-    head = cluster.node(f"head-{name}", "s0", "client", head_model, HEAD_CORE, ["--next", tail_proxy])
+    head = cluster.node(f"head-{name}", "s0", "client", head_model, HEAD_CORE, head_flags(cluster.plan, tail_proxy))
     entry = cluster.proxy(f"proxy-client-s0-{name}", "s0", head, delay_ms)
     return DelayedChain(delay_ms, entry, head, tail_proxy, tail)
 
@@ -357,6 +358,12 @@ def solo_tokens(scaled: dict[str, Any]) -> dict[str, list[int]]:
     return min(runs, key=lambda r: r["concurrency"])["tokens"]  # type: ignore[no-any-return]
 
 
+def head_flags(plan: Plan, tail: str) -> list[str]:
+    """A chain head's own flags: its next stage, and its micro-batches when the plan sets them."""
+    mb = [] if plan.micro_batches is None else ["--micro-batches", str(plan.micro_batches)]
+    return ["--next", tail, *mb]
+
+
 @dataclass(frozen=True, slots=True)
 class Chain:
     """A 2-stage chain of one split: its shards and its nodes' addresses."""
@@ -377,7 +384,7 @@ def start_chains(cluster: Cluster, model: Path, work: Path) -> dict[str, Chain]:
             suffix = f"-{bounds[0][1]}" if chains else ""
             head_model, tail_model = write_stages(model, work / "shards", bounds)
             tail = cluster.node(f"tail{suffix}", "s1", "s0", tail_model, TAIL_CORE, [])
-            head = cluster.node(f"head{suffix}", "s0", "client", head_model, HEAD_CORE, ["--next", tail])
+            head = cluster.node(f"head{suffix}", "s0", "client", head_model, HEAD_CORE, head_flags(cluster.plan, tail))
             chains[bounds] = Chain(bounds, (head_model, tail_model), head, tail)
     return {w: chains[tuple(chain_bounds(model, w))] for w in cluster.plan.workloads}
 
@@ -428,6 +435,8 @@ def with_options(plan: Plan, args: argparse.Namespace, parser: argparse.Argument
         plan = replace(plan, workloads=workloads)
     if args.requests:
         plan = replace(plan, requests=args.requests)
+    if args.micro_batches:
+        plan = replace(plan, micro_batches=args.micro_batches)
     if args.nice:
         plan = replace(plan, nice=args.nice)
     if args.max_new:
@@ -445,6 +454,7 @@ def main() -> int:
     parser.add_argument("--workload", help="prompt, decode or both (default prompt,decode; quick: prompt)")
     parser.add_argument("--requests", type=int, help="requests per run (default 16; quick 8)")
     parser.add_argument("--max-new", type=int, help="tokens generated per request in every workload")
+    parser.add_argument("--micro-batches", type=int, help="the chain heads' micro-batches (default: the node's)")
     parser.add_argument(
         "--nice", type=int, default=0, help="run the nodes at this niceness (e.g. -10: ahead of other work; root)"
     )
