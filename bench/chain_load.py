@@ -37,12 +37,18 @@ async def run(
         bos = start[0] if start else None
         buckets = WORKLOADS[workload].buckets
         requests = make_requests(corpus, n, max_new, seed=seed, max_prompt=max_prompt, bos=bos, buckets=buckets)
-        await closed_loop(client, requests[:1], 1, f"{tag}-warm")  # connections and caches warm, unmeasured
+        warm, _ = await closed_loop(client, requests[:1], 1, f"{tag}-warm")  # connections and caches warm, unmeasured
         runs = []
         for c in concurrencies:
             traces, wall = await closed_loop(client, requests, c, f"{tag}-c{c}")
             runs.append({"concurrency": c, **summarize(traces, wall), "tokens": {t.rid: t.tokens for t in traces}})
-    return {"address": address, "prompt_tokens": [len(r.prompt) for r in requests], "runs": runs}
+    warm_tokens = sum(len(t.tokens) for t in warm)  # computed by the nodes too, before the runs
+    return {
+        "address": address,
+        "prompt_tokens": [len(r.prompt) for r in requests],
+        "runs": runs,
+        "warm_tokens": warm_tokens,
+    }
 
 
 async def ping(address: str, count: int) -> dict[str, Any]:

@@ -209,7 +209,7 @@ class Cluster:
 
     def load(self, address: str, concurrencies: tuple[int, ...], tag: str, workload: str) -> list[dict[str, Any]]:
         plan = self.plan
-        runs = self.client(
+        out = self.client(
             "client",
             [
                 "run",
@@ -229,8 +229,8 @@ class Cluster:
                 "--workload",
                 workload,
             ],
-        )["runs"]
-        return runs  # type: ignore[no-any-return]
+        )
+        return [{**run, "warm_tokens": out["warm_tokens"]} for run in out["runs"]]
 
     def rtt_ms(self, host: str, address: str) -> float:
         """Median round trip of a protocol ping from `host` to `address`."""
@@ -253,7 +253,8 @@ class Nodes:
 
 
 def _tokens(run: dict[str, Any]) -> int:
-    return sum(len(t) for t in run["tokens"].values())
+    """Tokens the nodes generated for a run: its requests' and its warm-up's (one request, unmeasured)."""
+    return sum(len(t) for t in run["tokens"].values()) + int(run["warm_tokens"])
 
 
 def cost_per_token(one: dict[str, Any], two: dict[str, Any], spent: dict[str, dict[str, float]]) -> dict[str, float]:
@@ -261,7 +262,8 @@ def cost_per_token(one: dict[str, Any], two: dict[str, Any], spent: dict[str, di
     (chain wall - head compute - tail compute), the single node's own overhead beside it; and each
     node's rows per llama_decode call."""
     n1, n2 = _tokens(one), _tokens(two)
-    single_ms, chain_ms = 1000 * one["wall_s"] / n1, 1000 * two["wall_s"] / n2
+    single_ms = 1000 * one["wall_s"] / (n1 - one["warm_tokens"])
+    chain_ms = 1000 * two["wall_s"] / (n2 - two["warm_tokens"])
     head, tail = (1000 * spent[k]["step_seconds_sum"] / n2 for k in ("head", "tail"))
     rows = {
         f"{name}_rows_per_call": round((x["decode_tokens_total"] + x["prefill_tokens_total"]) / x["batches_total"], 2)
