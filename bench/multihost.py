@@ -132,14 +132,14 @@ QUICK = Plan(
 )
 
 
-# Splits that balance measured per-stage costs, by model file and workload. Llama-3.2-1B shape,
-# one thread per stage: Q4_K_M keeps the tied 128k-row output projection in Q6_K, which has no
-# repacked kernel, so a decode row costs the tail about as much there as 4-5 layers (at 1 and at 8
-# rows: bench/stage_cost.py); at 13:3 and concurrency 8 the head computed 87% of the time and the
-# tail 73% (py-spy), so decode takes 12:4. A prompt's rows reach the projection once, so the
-# prompt-heavy mix (8-256-token prompts, 32 new) is close to an even layer split: 9:7.
+# Splits that balance measured per-stage costs, by model file and workload: the head's and the
+# tail's compute per generated token (their step_seconds) in this bench's own runs, one thread per
+# stage, nodes at nice -10. Llama-3.2-1B shape, decode-heavy at concurrency 8 and 12:4, head/tail
+# 49.7/39.5 and 26.5/19.2 ms (two runs): one layer moves to the tail, 11:5 (also the weight balance:
+# the tail's tied 128k-row Q6_K projection costs about as much as 4-5 layers). Prompt-heavy at
+# concurrency 8 and 9:7, 64.4/50.0 ms: 8:8 (a prompt's rows reach the projection once).
 MEASURED_SPLITS: dict[str, dict[str, list[tuple[int, int]]]] = {
-    "llama-3.2-1b-shape-q4_k_m.gguf": {"decode": [(0, 12), (12, 16)], "prompt": [(0, 9), (9, 16)]},
+    "llama-3.2-1b-shape-q4_k_m.gguf": {"decode": [(0, 11), (11, 16)], "prompt": [(0, 8), (8, 16)]},
 }
 
 
