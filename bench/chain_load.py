@@ -1,12 +1,14 @@
 """The multi-host bench's client: runs on the client host and prints one JSON object.
 
-    python -m bench.chain_load run ADDR --concurrency 1,2,4 --requests 16 --max-new 32 --max-prompt 256
+    python -m bench.chain_load run ADDR --concurrency 1,2 --requests 16 --max-new 32 --max-prompt 256 --workload decode
     python -m bench.chain_load ping ADDR --count 50
+    python -m bench.chain_load stats ADDR [ADDR ...]
 
 `run` builds the report's workload (bench/workload.py) with the node's own tokenizer and
 drives it at each concurrency in a closed loop, the node running the token loop
 (server-side `generate`): tok/s, TTFT and inter-token percentiles, and every request's
-tokens. `ping` times protocol pings, the round trip of a link and the node's answer.
+tokens. `ping` times protocol pings, the round trip of a link and the node's answer; `stats` reads
+each node's compute counters (batches, their seconds, tokens), for what a run cost each stage.
 It is a process of its own so it can run inside the client host's network namespace.
 """
 
@@ -22,23 +24,31 @@ import trio
 
 from bench.latency import summarize
 from bench.node_driver import closed_loop
-from bench.workload import CORPUS, make_requests
+from bench.workload import CORPUS, WORKLOADS, make_requests
 from neuron_tai.client import open_client
 
 
 async def run(
-    address: str, concurrencies: list[int], n: int, max_new: int, max_prompt: int, seed: int, tag: str
+    address: str, concurrencies: list[int], n: int, max_new: int, max_prompt: int, seed: int, tag: str, workload: str
 ) -> dict[str, Any]:
     async with open_client(address, timeout_s=300) as client:
         corpus = await client.tokenize(CORPUS, add_special=False)
         start = await client.tokenize("", add_special=True)
-        requests = make_requests(corpus, n, max_new, seed=seed, max_prompt=max_prompt, bos=start[0] if start else None)
-        await closed_loop(client, requests[:1], 1, f"{tag}-warm")  # connections and caches warm, unmeasured
+        bos = start[0] if start else None
+        buckets = WORKLOADS[workload].buckets
+        requests = make_requests(corpus, n, max_new, seed=seed, max_prompt=max_prompt, bos=bos, buckets=buckets)
+        warm, _ = await closed_loop(client, requests[:1], 1, f"{tag}-warm")  # connections and caches warm, unmeasured
         runs = []
         for c in concurrencies:
             traces, wall = await closed_loop(client, requests, c, f"{tag}-c{c}")
             runs.append({"concurrency": c, **summarize(traces, wall), "tokens": {t.rid: t.tokens for t in traces}})
-    return {"address": address, "prompt_tokens": [len(r.prompt) for r in requests], "runs": runs}
+    warm_tokens = sum(len(t.tokens) for t in warm)  # computed by the nodes too, before the runs
+    return {
+        "address": address,
+        "prompt_tokens": [len(r.prompt) for r in requests],
+        "runs": runs,
+        "warm_tokens": warm_tokens,
+    }
 
 
 async def ping(address: str, count: int) -> dict[str, Any]:
@@ -52,6 +62,18 @@ async def ping(address: str, count: int) -> dict[str, Any]:
     return {"address": address, "rtt_ms": [round(x, 3) for x in rtts]}
 
 
+STAT_KEYS = ("batches_total", "decode_tokens_total", "prefill_tokens_total")
+
+
+async def stats(addresses: list[str]) -> dict[str, Any]:
+    out = {}
+    for address in addresses:
+        async with open_client(address, timeout_s=30) as client:
+            got = await client.stats()
+        out[address] = {key: got[key] for key in STAT_KEYS} | {"step_seconds_sum": got["step_seconds"]["sum"]}
+    return {"stats": out}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -63,13 +85,26 @@ def main() -> int:
     r.add_argument("--max-prompt", type=int, default=256)
     r.add_argument("--seed", type=int, default=12)
     r.add_argument("--tag", default="load")
+    r.add_argument("--workload", choices=sorted(WORKLOADS), default="prompt", help="prompt lengths (bench/workload.py)")
     p = sub.add_parser("ping")
     p.add_argument("address")
     p.add_argument("--count", type=int, default=50)
+    t = sub.add_parser("stats")
+    t.add_argument("addresses", nargs="+")
     args = parser.parse_args()
-    if args.cmd == "run":
+    if args.cmd == "stats":
+        out = trio.run(stats, args.addresses)
+    elif args.cmd == "run":
         out = trio.run(
-            run, args.address, args.concurrency, args.requests, args.max_new, args.max_prompt, args.seed, args.tag
+            run,
+            args.address,
+            args.concurrency,
+            args.requests,
+            args.max_new,
+            args.max_prompt,
+            args.seed,
+            args.tag,
+            args.workload,
         )
     else:
         out = trio.run(ping, args.address, args.count)

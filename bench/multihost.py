@@ -9,13 +9,16 @@ Without the privilege to make namespaces the same hosts run on loopback, and the
 says so.
 
 - Scale-out: the chain against one node on one core with one thread, at each concurrency
-  of the report's workload (bench/workload.py), the node running the token loop
-  (server-side `generate`); efficiency = chain tok/s / (2 x single-node tok/s).
+  of each workload (bench/workload.py: prompt-heavy, and decode-heavy with 16-token prompts
+  and 128 new tokens), the node running the token loop (server-side `generate`);
+  efficiency = chain tok/s / (2 x single-node tok/s). The chain's layer split is
+  `chain_bounds`'s.
 - Latency tolerance: the same chain with each one-way delay on both links (client<->head
   and head<->tail), at concurrency 8: tok/s, inter-token p50/p99. Each delay is checked by
   pinging through the proxy and past it on both links (added round trip: 2 x delay).
 
     python -m bench.multihost --out multihost.json
+    python -m bench.multihost --model llama-3.2-1b --workload decode --concurrency 1,8 --delays none --out m.json
     python -m bench.multihost --quick --delays 2 --out .bench/multihost-quick.json
 
 Everything it creates (namespaces, links, processes) is removed on the way out, also on
@@ -38,17 +41,32 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from bench.common import WORK, bench_model, command_line, shown, table
+from bench.common import MODEL_ENV, WORK, bench_model, command_line, shown, table
 from bench.interrupts import run_main
 from bench.netns import Topology, open_topology
 from bench.processes import Processes, node_ready, open_processes, serve_command
+from bench.workload import WORKLOADS
 from neuron_tai.shard import weight_balanced_bounds, write_stages
 
 HOSTS = ("client", "s0", "s1")
 LINKS = (("client", "s0"), ("s0", "s1"))
 HEAD_CORE, TAIL_CORE = 0, 1  # the single node runs on the head's core, measured while the chain idles
-MAX_SESSIONS = 8
-SCALE_COLUMNS = ["concurrency", "single_tok_s", "chain_tok_s", "efficiency"]
+MAX_SESSIONS = 16  # every session of the highest concurrency runs at once
+SCALE_COLUMNS = [
+    "workload",
+    "concurrency",
+    "single_tok_s",
+    "chain_tok_s",
+    "efficiency",
+    "single_ms_per_token",
+    "chain_ms_per_token",
+    "head_compute_ms",
+    "tail_compute_ms",
+    "hop_ms",
+    "single_rows_per_call",
+    "head_rows_per_call",
+    "tail_rows_per_call",
+]
 LATENCY_COLUMNS = [
     "delay_ms",
     "tok_s",
@@ -67,7 +85,7 @@ class Plan:
 
     mode: str
     requests: int
-    max_new: int
+    max_new: int  # the prompt-heavy workload's; the decode-heavy one's is its own (128) unless `max_new_fixed`
     max_prompt: int
     concurrencies: tuple[int, ...]
     delays_ms: tuple[float, ...]
@@ -75,7 +93,15 @@ class Plan:
     kv_cells: int
     pings: int
     serve_flags: tuple[str, ...]  # beyond sessions, KV and threads
+    workloads: tuple[str, ...] = ("prompt", "decode")  # the first one's runs are also the latency runs
+    max_new_fixed: bool = False  # `max_new` for every workload (--max-new)
+    nice: int = 0  # the nodes' niceness (--nice)
+    micro_batches: int | None = None  # the heads' --micro-batches (None: the node's default)
     seed: int = 12
+
+    def new_tokens(self, workload: str) -> int:
+        """Tokens generated per request in `workload`."""
+        return WORKLOADS[workload].max_new or self.max_new if not self.max_new_fixed else self.max_new
 
 
 FULL = Plan(
@@ -86,7 +112,7 @@ FULL = Plan(
     concurrencies=(1, 2, 4, 8, 16),
     delays_ms=(0, 2, 5),
     latency_concurrency=8,
-    kv_cells=4096,
+    kv_cells=8192,  # 16 sessions of the longest prompt-heavy request (256 + 32)
     pings=50,
     serve_flags=(),
 )
@@ -102,13 +128,26 @@ QUICK = Plan(
     kv_cells=2048,
     pings=10,
     serve_flags=("--kv-type", "f32", "--flash-attn", "off"),
+    workloads=("prompt",),
 )
 
 
-def models(plan: Plan, work: Path) -> tuple[Path, list[Path]]:
-    """The model and its two halves (head, tail)."""
-    model = bench_model(plan.mode == "quick", work)
-    return model, write_stages(model, work / "shards", weight_balanced_bounds(model, 2))
+# Splits that balance measured per-stage costs, by model file and workload: the head's and the
+# tail's compute per generated token (their step_seconds) in this bench's own runs, one thread per
+# stage, nodes at nice -10. Llama-3.2-1B shape, decode-heavy at concurrency 8 and 12:4, head/tail
+# 49.7/39.5 and 26.5/19.2 ms (two runs): one layer moves to the tail, 11:5 (also the weight balance:
+# the tail's tied 128k-row Q6_K projection costs about as much as 4-5 layers). Prompt-heavy at
+# concurrency 8 and 9:7, 64.4/50.0 ms: 8:8 (a prompt's rows reach the projection once).
+MEASURED_SPLITS: dict[str, dict[str, list[tuple[int, int]]]] = {
+    "llama-3.2-1b-shape-q4_k_m.gguf": {"decode": [(0, 11), (11, 16)], "prompt": [(0, 8), (8, 16)]},
+}
+
+
+def chain_bounds(model: Path, workload: str) -> list[tuple[int, int]]:
+    """The chain's two layer ranges for `workload`: the one place the bench chooses its split (until a
+    placement from measured per-layer costs replaces it). A measured split where there is one, else
+    the weight balance (layer bytes, and the output projection on the last stage)."""
+    return MEASURED_SPLITS.get(model.name, {}).get(workload) or weight_balanced_bounds(model, 2)
 
 
 class Cluster:
@@ -120,7 +159,9 @@ class Cluster:
         self.plan = plan
 
     def _start(self, name: str, host: str, cmd: list[str], core: int | None) -> None:
-        if not self.procs.start(name, self.topo.command(host, cmd, core), node_ready):
+        if not self.procs.start(
+            name, self.topo.command(host, cmd, core, self.plan.nice if core is not None else 0), node_ready
+        ):
             crash = self.procs.crashed[name]
             raise RuntimeError(f"{name} {crash.reason}:\n" + "\n".join(crash.log_tail))
 
@@ -166,9 +207,9 @@ class Cluster:
             raise RuntimeError(f"chain_load {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
         return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
-    def load(self, address: str, concurrencies: tuple[int, ...], tag: str) -> list[dict[str, Any]]:
+    def load(self, address: str, concurrencies: tuple[int, ...], tag: str, workload: str) -> list[dict[str, Any]]:
         plan = self.plan
-        runs = self.client(
+        out = self.client(
             "client",
             [
                 "run",
@@ -178,36 +219,86 @@ class Cluster:
                 "--requests",
                 str(plan.requests),
                 "--max-new",
-                str(plan.max_new),
+                str(plan.new_tokens(workload)),
                 "--max-prompt",
                 str(plan.max_prompt),
                 "--seed",
                 str(plan.seed),
                 "--tag",
                 tag,
+                "--workload",
+                workload,
             ],
-        )["runs"]
-        return runs  # type: ignore[no-any-return]
+        )
+        return [{**run, "warm_tokens": out["warm_tokens"]} for run in out["runs"]]
 
     def rtt_ms(self, host: str, address: str) -> float:
         """Median round trip of a protocol ping from `host` to `address`."""
         return float(statistics.median(self.client(host, ["ping", address, "--count", str(self.plan.pings)])["rtt_ms"]))
 
 
-def scale_out(cluster: Cluster, single: str, chain: str) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class Nodes:
+    """The measured nodes' addresses, each with the host it is read from."""
+
+    single: str
+    head: str
+    tail: str
+
+    def counters(self, cluster: Cluster) -> dict[str, dict[str, float]]:
+        """Each node's compute counters so far: `step_seconds` sum (its llama_decode calls), calls, rows."""
+        front = cluster.client("client", ["stats", self.single, self.head])["stats"]
+        back = cluster.client("s0", ["stats", self.tail])["stats"]
+        return {"single": front[self.single], "head": front[self.head], "tail": back[self.tail]}
+
+
+def _tokens(run: dict[str, Any]) -> int:
+    """Tokens the nodes generated for a run: its requests' and its warm-up's (one request, unmeasured)."""
+    return sum(len(t) for t in run["tokens"].values()) + int(run["warm_tokens"])
+
+
+def cost_per_token(one: dict[str, Any], two: dict[str, Any], spent: dict[str, dict[str, float]]) -> dict[str, float]:
+    """Wall and compute milliseconds per generated token: what the hop adds beyond the stages' own compute
+    (chain wall - head compute - tail compute), the single node's own overhead beside it; and each
+    node's rows per llama_decode call."""
+    n1, n2 = _tokens(one), _tokens(two)
+    single_ms = 1000 * one["wall_s"] / (n1 - one["warm_tokens"])
+    chain_ms = 1000 * two["wall_s"] / (n2 - two["warm_tokens"])
+    head, tail = (1000 * spent[k]["step_seconds_sum"] / n2 for k in ("head", "tail"))
+    rows = {
+        f"{name}_rows_per_call": round((x["decode_tokens_total"] + x["prefill_tokens_total"]) / x["batches_total"], 2)
+        for name, x in spent.items()
+        if x["batches_total"]
+    }
+    return rows | {
+        "single_ms_per_token": round(single_ms, 2),
+        "single_compute_ms": round(1000 * spent["single"]["step_seconds_sum"] / n1, 2),
+        "chain_ms_per_token": round(chain_ms, 2),
+        "head_compute_ms": round(head, 2),
+        "tail_compute_ms": round(tail, 2),
+        "hop_ms": round(chain_ms - head - tail, 2),
+    }
+
+
+def scale_out(cluster: Cluster, nodes: Nodes, workload: str) -> dict[str, Any]:
     """The chain (two cores) against the single node (one core), each concurrency alternating between them."""
     rows, raw = [], []
     for c in cluster.plan.concurrencies:
-        one = cluster.load(single, (c,), f"single-c{c}")[0]
-        two = cluster.load(chain, (c,), f"chain-c{c}")[0]
+        before = nodes.counters(cluster)
+        one = cluster.load(nodes.single, (c,), f"single-{workload}-c{c}", workload)[0]
+        two = cluster.load(nodes.head, (c,), f"chain-{workload}-c{c}", workload)[0]
+        after = nodes.counters(cluster)
         raw += [{"system": "single", **one}, {"system": "chain2", **two}]
         efficiency = two["tok_s"] / (2 * one["tok_s"]) if one["tok_s"] else None
+        spent = {name: {k: after[name][k] - v for k, v in was.items()} for name, was in before.items()}
         rows.append(
             {
+                "workload": workload,
                 "concurrency": c,
                 "single_tok_s": one["tok_s"],
                 "chain_tok_s": two["tok_s"],
                 "efficiency": round(efficiency, 3) if efficiency is not None else None,
+                **cost_per_token(one, two, spent),
             }
         )
         print("scale-out " + ", ".join(f"{k} {v}" for k, v in rows[-1].items()), flush=True)
@@ -228,19 +319,19 @@ class DelayedChain:
 def start_delayed_chain(cluster: Cluster, head_model: Path, tail: str, delay_ms: float) -> DelayedChain:
     name = f"{delay_ms:g}ms"
     tail_proxy = cluster.proxy(f"proxy-s0-s1-{name}", "s1", tail, delay_ms)
-    head = cluster.node(f"head-{name}", "s0", "client", head_model, HEAD_CORE, ["--next", tail_proxy])
+    head = cluster.node(f"head-{name}", "s0", "client", head_model, HEAD_CORE, head_flags(cluster.plan, tail_proxy))
     entry = cluster.proxy(f"proxy-client-s0-{name}", "s0", head, delay_ms)
     return DelayedChain(delay_ms, entry, head, tail_proxy, tail)
 
 
-def latency_tolerance(cluster: Cluster, chains: list[DelayedChain]) -> dict[str, Any]:
+def latency_tolerance(cluster: Cluster, chains: list[DelayedChain], workload: str) -> dict[str, Any]:
     """Each delayed chain at the latency concurrency, and the round trip each proxy adds, measured."""
     rows, raw = [], []
     c = cluster.plan.latency_concurrency
     for chain in chains:
         client_head = cluster.rtt_ms("client", chain.entry) - cluster.rtt_ms("client", chain.head)
         head_tail = cluster.rtt_ms("s0", chain.tail_proxy) - cluster.rtt_ms("s0", chain.tail)
-        run = cluster.load(chain.entry, (c,), f"delay-{chain.delay_ms:g}ms")[0]
+        run = cluster.load(chain.entry, (c,), f"delay-{chain.delay_ms:g}ms", workload)[0]
         raw.append({"delay_ms": chain.delay_ms, **run})
         rows.append(
             {
@@ -263,35 +354,112 @@ def mismatches(reference: dict[str, list[int]], runs: list[dict[str, Any]]) -> i
     return sum(run["tokens"][rid] != tokens for run in runs for rid, tokens in reference.items())
 
 
+def solo_tokens(scaled: dict[str, Any]) -> dict[str, list[int]]:
+    """The single node's tokens at the lowest concurrency measured: the reference."""
+    runs = [r for r in scaled["runs"] if r["system"] == "single"]
+    return min(runs, key=lambda r: r["concurrency"])["tokens"]  # type: ignore[no-any-return]
+
+
+def head_flags(plan: Plan, tail: str) -> list[str]:
+    """A chain head's own flags: its next stage, and its micro-batches when the plan sets them."""
+    mb = [] if plan.micro_batches is None else ["--micro-batches", str(plan.micro_batches)]
+    return ["--next", tail, *mb]
+
+
+@dataclass(frozen=True, slots=True)
+class Chain:
+    """A 2-stage chain of one split: its shards and its nodes' addresses."""
+
+    bounds: tuple[tuple[int, int], ...]
+    shards: tuple[Path, Path]
+    head: str
+    tail: str
+
+
+def start_chains(cluster: Cluster, model: Path, work: Path) -> dict[str, Chain]:
+    """A chain for each workload's split (workloads with the same split share one); the first is
+    named head/tail, the others head-CUT/tail-CUT."""
+    chains: dict[tuple[tuple[int, int], ...], Chain] = {}
+    for workload in cluster.plan.workloads:
+        bounds = tuple(chain_bounds(model, workload))
+        if bounds not in chains:
+            suffix = f"-{bounds[0][1]}" if chains else ""
+            head_model, tail_model = write_stages(model, work / "shards", bounds)
+            tail = cluster.node(f"tail{suffix}", "s1", "s0", tail_model, TAIL_CORE, [])
+            head = cluster.node(f"head{suffix}", "s0", "client", head_model, HEAD_CORE, head_flags(cluster.plan, tail))
+            chains[bounds] = Chain(bounds, (head_model, tail_model), head, tail)
+    return {w: chains[tuple(chain_bounds(model, w))] for w in cluster.plan.workloads}
+
+
 def measure(plan: Plan, topo: Topology, procs: Processes, work: Path) -> dict[str, Any]:
-    model, (head_model, tail_model) = models(plan, work)
+    model = bench_model(plan.mode == "quick", work)
     cluster = Cluster(topo, procs, plan)
     single = cluster.node("single", "s0", "client", model, HEAD_CORE, [])
-    tail = cluster.node("tail", "s1", "s0", tail_model, TAIL_CORE, [])
-    head = cluster.node("head", "s0", "client", head_model, HEAD_CORE, ["--next", tail])
-    chains = [start_delayed_chain(cluster, head_model, tail, d) for d in plan.delays_ms]
-    print(f"multihost: single {single}; chain {head} -> {tail}", flush=True)
-    scaled = scale_out(cluster, single, head)
-    latency = latency_tolerance(cluster, chains)
-    solo = next(r for r in scaled["runs"] if r["system"] == "single" and r["concurrency"] == 1)["tokens"]
-    chain_runs = [r for r in scaled["runs"] if r["system"] == "chain2"] + latency["runs"]
+    by_workload = start_chains(cluster, model, work)
+    first = plan.workloads[0]
+    main = by_workload[first]
+    head_model, tail_model = main.shards
+    chains = [start_delayed_chain(cluster, head_model, main.tail, d) for d in plan.delays_ms]
+    shown_chains = {c.bounds: f"{c.head} -> {c.tail} (layers {c.bounds})" for c in by_workload.values()}
+    print(f"multihost: single {single}; chain {'; '.join(shown_chains.values())}", flush=True)  # all started
+    scaled = {w: scale_out(cluster, Nodes(single, c.head, c.tail), w) for w, c in by_workload.items()}
+    latency = latency_tolerance(cluster, chains, first)
+    solo = {w: solo_tokens(s) for w, s in scaled.items()}
+    differing = sum(
+        mismatches(solo[w], [r for r in s["runs"] if r["system"] == "chain2"] + (latency["runs"] if w == first else []))
+        for w, s in scaled.items()
+    )
     return {
         "model": model.name,
+        "bounds": [list(b) for b in main.bounds],
+        "bounds_by_workload": {w: [list(b) for b in c.bounds] for w, c in by_workload.items()},
         "shards": [head_model.name, tail_model.name],
-        "single_solo_tokens": solo,
-        "scale_out": scaled,
+        "single_solo_tokens": solo[first],
+        "scale_out": scaled[first],  # the first workload's (the latency runs use it too)
+        "scale_out_by_workload": scaled,
         "latency": latency,
-        "chain_token_mismatches": mismatches(solo, chain_runs),
+        "chain_token_mismatches": differing,
         "delayed_chains": [asdict(c) for c in chains],
     }
+
+
+def with_options(plan: Plan, args: argparse.Namespace, parser: argparse.ArgumentParser) -> Plan:
+    """The plan with the command line's overrides."""
+    if args.delays:
+        delays = () if args.delays == "none" else tuple(float(x) for x in args.delays.split(","))
+        plan = replace(plan, delays_ms=delays)
+    if args.concurrency:
+        plan = replace(plan, concurrencies=tuple(int(x) for x in args.concurrency.split(",")))
+    if args.workload:
+        workloads = tuple(args.workload.split(","))
+        if not workloads or any(w not in WORKLOADS for w in workloads):
+            parser.error(f"--workload: one or more of {', '.join(WORKLOADS)}, comma-separated")
+        plan = replace(plan, workloads=workloads)
+    if args.requests:
+        plan = replace(plan, requests=args.requests)
+    if args.micro_batches:
+        plan = replace(plan, micro_batches=args.micro_batches)
+    if args.nice:
+        plan = replace(plan, nice=args.nice)
+    if args.max_new:
+        plan = replace(plan, max_new=args.max_new, max_new_fixed=True)
+    return plan
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="the tiny test model, few requests: checks it works")
     parser.add_argument("--out", type=Path, required=True, help="where to write the JSON result")
-    parser.add_argument("--delays", help="one-way delays in ms, comma-separated (default 0,2,5)")
+    parser.add_argument("--model", help=f"a GGUF file or a model shape (default: ${MODEL_ENV}, else gemma-3-270m)")
+    parser.add_argument("--delays", help="one-way delays in ms, comma-separated (default 0,2,5; none: no latency part)")
     parser.add_argument("--concurrency", help="scale-out concurrencies, comma-separated (default 1,2,4,8,16)")
+    parser.add_argument("--workload", help="prompt, decode or both (default prompt,decode; quick: prompt)")
+    parser.add_argument("--requests", type=int, help="requests per run (default 16; quick 8)")
+    parser.add_argument("--max-new", type=int, help="tokens generated per request in every workload")
+    parser.add_argument("--micro-batches", type=int, help="the chain heads' micro-batches (default: the node's)")
+    parser.add_argument(
+        "--nice", type=int, default=0, help="run the nodes at this niceness (e.g. -10: ahead of other work; root)"
+    )
     parser.add_argument("--loopback", action="store_true", help="all hosts on loopback, as without privilege")
     parser.add_argument(
         "--tag",
@@ -302,10 +470,9 @@ def main() -> int:
     if not 1 <= len(args.tag) <= 4 or not args.tag.isalnum():
         parser.error("--tag: 1 to 4 letters or digits")
     plan = QUICK if args.quick else FULL
-    if args.delays:
-        plan = replace(plan, delays_ms=tuple(float(x) for x in args.delays.split(",")))
-    if args.concurrency:
-        plan = replace(plan, concurrencies=tuple(int(x) for x in args.concurrency.split(",")))
+    plan = with_options(plan, args, parser)
+    if args.model:
+        os.environ[MODEL_ENV] = args.model
     work = WORK / "multihost"
     work.mkdir(parents=True, exist_ok=True)
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
@@ -332,9 +499,10 @@ def main() -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"\n{topo.note}\n")
-    print(table(result["scale_out"]["rows"], SCALE_COLUMNS))
-    print()
-    print(table(result["latency"]["rows"], LATENCY_COLUMNS))
+    print(table([row for s in result["scale_out_by_workload"].values() for row in s["rows"]], SCALE_COLUMNS))
+    if result["latency"]["rows"]:
+        print()
+        print(table(result["latency"]["rows"], LATENCY_COLUMNS))
     print(f"\nchain tokens differing from the single node's: {result['chain_token_mismatches']} requests")
     print(f"wrote {shown(args.out)}")
     return 0 if not report["crashes"] and all(rc == 0 for rc in stopped.values() if rc is not None) else 1

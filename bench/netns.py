@@ -76,12 +76,15 @@ class Topology:
         self._next_port += 1
         return self._next_port
 
-    def command(self, host: str, cmd: Sequence[str], core: int | None = None) -> list[str]:
-        """`cmd` run on `host` (inside its namespace), pinned to the `core`-th allowed CPU if given."""
+    def command(self, host: str, cmd: Sequence[str], core: int | None = None, nice: int = 0) -> list[str]:
+        """`cmd` run on `host` (inside its namespace), pinned to the `core`-th allowed CPU if given,
+        at niceness `nice` (below 0: ahead of the machine's other processes; needs root)."""
         out = list(cmd)
         if core is not None and shutil.which("taskset"):
             cpus = sorted(os.sched_getaffinity(0))
             out = ["taskset", "-c", str(cpus[core % len(cpus)]), *out]
+        if nice and shutil.which("nice"):
+            out = ["nice", "-n", str(nice), *out]
         if self.isolated:
             out = ["ip", "netns", "exec", self.namespace(host), *out]
         return out

@@ -265,7 +265,9 @@ class Engine:
                     await self._wait_for_work()
                     continue
                 self._forget_late(plan)
-                for call in plan.calls:
+                for i, call in enumerate(plan.calls):
+                    if i:
+                        await self._hand_over()
                     await self.executor.run(Plan(plan.iteration, (call,)))
                 await self._linger()
         finally:
@@ -311,6 +313,14 @@ class Engine:
             request, reply = await self._inbox.receive()
             self._take(request, reply)
         self._idle_scope = None
+
+    async def _hand_over(self) -> None:
+        """Between the calls of one iteration (micro-batches): let the steps just answered go on
+        (their requesters forward them to the next stage, the socket's task sends them) before the
+        next call's decode takes the core, so the next stage starts on them at once. Two scheduler
+        turns: one for the requesters, one for the socket's task they wake."""
+        await trio.lowlevel.checkpoint()
+        await trio.lowlevel.checkpoint()
 
     async def _linger(self) -> None:
         """Give the sessions just answered a moment to send their next step, so they run together.
