@@ -44,9 +44,11 @@ from typing import Any
 from bench.common import MODEL_ENV, WORK, bench_model, command_line, shown, table
 from bench.interrupts import run_main
 from bench.netns import Topology, open_topology
+from bench.placement import planned_bounds
 from bench.processes import Processes, node_ready, open_processes, serve_command
 from bench.workload import WORKLOADS
-from neuron_tai.shard import weight_balanced_bounds, write_stages
+from neuron_tai.placement import Workload as PlanWorkload
+from neuron_tai.shard import write_stages
 
 HOSTS = ("client", "s0", "s1")
 LINKS = (("client", "s0"), ("s0", "s1"))
@@ -132,22 +134,13 @@ QUICK = Plan(
 )
 
 
-# Splits that balance measured per-stage costs, by model file and workload: the head's and the
-# tail's compute per generated token (their step_seconds) in this bench's own runs, one thread per
-# stage, nodes at nice -10. Llama-3.2-1B shape, decode-heavy at concurrency 8 and 12:4, head/tail
-# 49.7/39.5 and 26.5/19.2 ms (two runs): one layer moves to the tail, 11:5 (also the weight balance:
-# the tail's tied 128k-row Q6_K projection costs about as much as 4-5 layers). Prompt-heavy at
-# concurrency 8 and 9:7, 64.4/50.0 ms: 8:8 (a prompt's rows reach the projection once).
-MEASURED_SPLITS: dict[str, dict[str, list[tuple[int, int]]]] = {
-    "llama-3.2-1b-shape-q4_k_m.gguf": {"decode": [(0, 11), (11, 16)], "prompt": [(0, 8), (8, 16)]},
-}
-
-
-def chain_bounds(model: Path, workload: str) -> list[tuple[int, int]]:
-    """The chain's two layer ranges for `workload`: the one place the bench chooses its split (until a
-    placement from measured per-layer costs replaces it). A measured split where there is one, else
-    the weight balance (layer bytes, and the output projection on the last stage)."""
-    return MEASURED_SPLITS.get(model.name, {}).get(workload) or weight_balanced_bounds(model, 2)
+def chain_bounds(model: Path, plan: Plan, workload: str) -> list[tuple[int, int]]:
+    """The chain's two layer ranges for `workload`: the placement plan's split (`neuron-tai plan`,
+    bench/placement.py) for the workload's mean prompt and its generated tokens, from per-layer
+    costs measured on this machine with one thread (cached after the first run)."""
+    buckets = WORKLOADS[workload].buckets
+    prompt = statistics.fmean(min((low + high) / 2, plan.max_prompt) for low, high in buckets)
+    return planned_bounds(model, 2, workload=PlanWorkload(prompt, plan.new_tokens(workload)))
 
 
 class Cluster:
@@ -381,14 +374,14 @@ def start_chains(cluster: Cluster, model: Path, work: Path) -> dict[str, Chain]:
     named head/tail, the others head-CUT/tail-CUT."""
     chains: dict[tuple[tuple[int, int], ...], Chain] = {}
     for workload in cluster.plan.workloads:
-        bounds = tuple(chain_bounds(model, workload))
+        bounds = tuple(chain_bounds(model, cluster.plan, workload))
         if bounds not in chains:
             suffix = f"-{bounds[0][1]}" if chains else ""
             head_model, tail_model = write_stages(model, work / "shards", bounds)
             tail = cluster.node(f"tail{suffix}", "s1", "s0", tail_model, TAIL_CORE, [])
             head = cluster.node(f"head{suffix}", "s0", "client", head_model, HEAD_CORE, head_flags(cluster.plan, tail))
             chains[bounds] = Chain(bounds, (head_model, tail_model), head, tail)
-    return {w: chains[tuple(chain_bounds(model, w))] for w in cluster.plan.workloads}
+    return {w: chains[tuple(chain_bounds(model, cluster.plan, w))] for w in cluster.plan.workloads}
 
 
 def measure(plan: Plan, topo: Topology, procs: Processes, work: Path) -> dict[str, Any]:
