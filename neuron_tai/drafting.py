@@ -23,6 +23,27 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+MAX_SPECULATE = 32  # most draft tokens per pass; a request asking for more gets this many
+
+
+def accepted(drafts: Sequence[int], rows: Sequence[int]) -> list[int]:
+    """The tokens a verified pass yields: the drafts the model agrees with, then its own next.
+
+    `rows[i]` is the token the model drew after the pass's first token and `drafts[:i]`
+    (`out: "tokens"`). Draft i is kept while `rows[i] == drafts[i]`: drafts are
+    deterministic, so this keeps draft i with exactly the model's probability of it, and
+    at the first disagreement `rows[i]` is a draw from the model's distribution given
+    that the draft was not drawn (the draft removed, the rest renormalised). The result
+    is distributed as drafting-free sampling, and token-identical to it where the rows'
+    distributions are bit-identical to one-row steps' (batch-invariant mode).
+    """
+    if len(rows) != len(drafts) + 1:
+        raise ValueError(f"{len(drafts)} drafts need {len(drafts) + 1} rows, got {len(rows)}")
+    kept = 0
+    while kept < len(drafts) and rows[kept] == drafts[kept]:
+        kept += 1
+    return [int(t) for t in rows[: kept + 1]]
+
 
 @dataclass(frozen=True, slots=True)
 class PromptLookup:
@@ -115,3 +136,25 @@ class DraftPolicy:
         if self.misses >= self.patience:
             self.misses, self.pause = 0, self.next_pause
             self.next_pause = min(self.max_pause, 2 * self.next_pause)
+
+
+@dataclass(slots=True)
+class Drafter:
+    """One generate's drafting: the session's tokens so far, the lookup, and its policy."""
+
+    history: list[int]
+    policy: DraftPolicy
+    lookup: PromptLookup = PromptLookup()
+
+    @classmethod
+    def of(cls, prompt: Sequence[int] | npt.NDArray[np.int32], max_draft: int) -> Drafter:
+        return cls([int(t) for t in prompt], DraftPolicy(max_draft))
+
+    def draft(self, limit: int) -> list[int]:
+        """Draft tokens for the next pass, at most `limit` (what the run still has room for)."""
+        return self.lookup.propose(self.history, min(limit, self.policy.budget()))
+
+    def passed(self, drafts: Sequence[int], kept: Sequence[int]) -> None:
+        """A pass verified `drafts` and yielded `kept` (the accepted drafts, then the model's own)."""
+        self.policy.passed(len(drafts), len(kept) - 1 if drafts else 0)
+        self.history.extend(kept)

@@ -7,17 +7,24 @@ there); the sampled distribution is checked statistically with fixed seeds.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import pytest
+import trio
 
 from engine.backend import Segment, StageBackend
 from engine.messages import Output
-from neuron_tai.client import open_client
+from neuron_tai.client import Client, Done, Generated, open_client
+from neuron_tai.config import NodeConfig
+from neuron_tai.node import open_node
 from protocol.sampling import Sampling
 from tests.conftest import OpenBackend
 from tests.test_generate import chain
-from tests.test_node import node_and_client, prompt
+from tests.test_node import engine_config, node_and_client, prompt
 
 IDS = prompt(3, 12)
 DRAFTS = [7, 19, 7, 101, 55]
@@ -75,3 +82,88 @@ async def test_a_tokens_step_on_a_node_and_through_a_chain(tiny_model: Path, tin
     async with chain(tiny_shards2) as (head, _tail), open_client(head.address, timeout_s=10) as c:
         await c.open("s", 64)
         assert (await c.step("s", 0, tokens=IDS + DRAFTS, out="tokens")).tokens == expected
+
+
+# -- speculative generate: greedy identity ---------------------------------------------------
+
+INVARIANT = {"batch_invariant": True, "flash_attn": True}
+REPEATS = [prompt(7, 6) * 3, prompt(8, 5) * 4, prompt(9, 9) * 2, prompt(10, 12)]
+
+
+@asynccontextmanager
+async def serving(models: list[Path], speculate: int = 0, **kw: Any) -> AsyncIterator[Client]:
+    """A client of one node (one model) or of a chain's head (shards in order), in batch-invariant mode."""
+    async with AsyncExitStack() as stack:
+        address = None
+        for model in reversed(models):
+            cfg = NodeConfig(
+                engine_config(model, **INVARIANT, **kw), bind="tcp://127.0.0.1:0", next=address, speculate=speculate
+            )
+            address = (await stack.enter_async_context(open_node(cfg))).address
+        assert address is not None
+        yield await stack.enter_async_context(open_client(address, timeout_s=20))
+
+
+async def generate(client: Client, session: str, pos: int, ids: list[int], max_new: int, **kw: Any) -> Done:
+    """One streamed generate: its `done`, with the streamed tokens."""
+    streamed: list[int] = []
+    async for reply in client.generate_tokens(session, pos, ids, max_new, **kw):
+        if isinstance(reply, Generated):
+            assert reply.pos == pos + len(ids) + len(streamed), "streamed positions are contiguous"
+            streamed += reply.tokens
+        else:
+            assert reply.generated == len(streamed)
+            return Done(reply.reason, reply.generated, reply.length, streamed, reply.passes)
+    raise AssertionError("no done")
+
+
+async def run_all(client: Client, prompts: list[list[int]], max_new: int, **kw: Any) -> list[Done]:
+    """Every prompt's generate at once, each in its own session."""
+    results: dict[int, Done] = {}
+
+    async def one(i: int) -> None:
+        await client.open(f"s{i}", 128)
+        results[i] = await generate(client, f"s{i}", 0, prompts[i], max_new, ignore_eog=True, **kw)
+        await client.close(f"s{i}")
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(prompts)):
+            nursery.start_soon(one, i)
+    return [results[i] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one node", "2-stage chain"])
+async def test_greedy_speculation_is_token_identical_to_plain_generation(
+    split: bool, tiny_quant: Path, tiny_quant_shards2: list[Path]
+) -> None:
+    models = tiny_quant_shards2 if split else [tiny_quant]
+    async with serving(models) as plain:
+        expected = [await run_all(plain, [p], 40) for p in REPEATS]  # each alone
+    async with serving(models, speculate=4) as spec:
+        alone = [await run_all(spec, [p], 40) for p in REPEATS]
+        together = await run_all(spec, REPEATS, 40)  # concurrent sessions share iterations
+        asked = await run_all(spec, REPEATS[:1], 40, speculate=0)  # the request overrides the node
+    for want, got, mixed in zip(expected, alone, together, strict=True):
+        assert got[0].tokens == want[0].tokens
+        assert mixed.tokens == want[0].tokens and mixed.length == want[0].length == got[0].length
+    assert want[0].passes is None and asked[0].passes is None and asked[0].tokens == expected[0][0].tokens
+    passes = sum(d[0].passes or 0 for d in alone)
+    assert passes < 0.8 * 40 * len(REPEATS), passes  # speculation saved passes (else this proves nothing)
+
+
+@pytest.mark.parametrize("cut", [1, 2, 5, 9, 17])
+async def test_stop_tokens_and_max_new_cut_where_plain_generation_does(cut: int, tiny_quant: Path) -> None:
+    ids = REPEATS[0]
+    async with serving([tiny_quant]) as plain:
+        full = (await run_all(plain, [ids], 30))[0]
+        stopped = (await run_all(plain, [ids], 30, stop=[full.tokens[cut]]))[0]
+        short = (await run_all(plain, [ids], cut))[0]
+    async with serving([tiny_quant], speculate=6) as spec:
+        await spec.open("s", 128)
+        got = await generate(spec, "s", 0, ids, 30, ignore_eog=True, stop=[full.tokens[cut]])
+        assert (got.reason, got.tokens, got.length) == (stopped.reason, stopped.tokens, stopped.length)
+        # The session holds what `length` says: continuing gives one longer run's tokens.
+        more = await generate(spec, "s", got.length, [got.tokens[-1]], 30 - got.generated, ignore_eog=True)
+        assert got.tokens + more.tokens[: 30 - got.generated] == full.tokens[: got.generated + more.generated]
+        got = await generate(spec, "s", 0, ids, cut, ignore_eog=True)
+        assert (got.reason, got.tokens, got.length) == (short.reason, short.tokens, short.length)
