@@ -120,13 +120,16 @@ async def generate(client: Client, session: str, pos: int, ids: list[int], max_n
     raise AssertionError("no done")
 
 
-async def run_all(client: Client, prompts: list[list[int]], max_new: int, **kw: Any) -> list[Done]:
-    """Every prompt's generate at once, each in its own session."""
+async def run_all(
+    client: Client, prompts: list[list[int]], max_new: int, speculate: list[int | None] | None = None, **kw: Any
+) -> list[Done]:
+    """Every prompt's generate at once, each in its own session (with its own `speculate`, if given)."""
     results: dict[int, Done] = {}
 
     async def one(i: int) -> None:
         await client.open(f"s{i}", 128)
-        results[i] = await generate(client, f"s{i}", 0, prompts[i], max_new, ignore_eog=True, **kw)
+        asked = {} if speculate is None else {"speculate": speculate[i]}
+        results[i] = await generate(client, f"s{i}", 0, prompts[i], max_new, ignore_eog=True, **asked, **kw)
         await client.close(f"s{i}")
 
     async with trio.open_nursery() as nursery:
@@ -145,11 +148,13 @@ async def test_greedy_speculation_is_token_identical_to_plain_generation(
     async with serving(models, speculate=4) as spec:
         alone = [await run_all(spec, [p], 40) for p in REPEATS]
         together = await run_all(spec, REPEATS, 40)  # concurrent sessions share iterations
-        asked = await run_all(spec, REPEATS[:1], 40, speculate=0)  # the request overrides the node
-    for want, got, mixed in zip(expected, alone, together, strict=True):
+        # Speculating and plain sessions share iterations; a request's `speculate` overrides the node's.
+        mixed = await run_all(spec, REPEATS, 40, speculate=[0, None, 0, 2])
+    for want, got, both, some in zip(expected, alone, together, mixed, strict=True):
         assert got[0].tokens == want[0].tokens
-        assert mixed.tokens == want[0].tokens and mixed.length == want[0].length == got[0].length
-    assert want[0].passes is None and asked[0].passes is None and asked[0].tokens == expected[0][0].tokens
+        assert both.tokens == some.tokens == want[0].tokens
+        assert both.length == some.length == got[0].length == want[0].length
+    assert expected[0][0].passes is None and [d.passes is None for d in mixed] == [True, False, True, False]
     passes = sum(d[0].passes or 0 for d in alone)
     assert passes < 0.8 * 40 * len(REPEATS), passes  # speculation saved passes (else this proves nothing)
 
