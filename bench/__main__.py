@@ -71,6 +71,8 @@ SUITES = {
     "engine": Suite("bench.engine_sweep", (), None, "engine throughput, TTFT/ITL, interference"),
     "node": Suite("bench.node_sweep", (), None, "nodes over ZeroMQ against the engine"),
     "micro-batches": Suite("bench.micro_batches", (), None, "micro-batches 1 vs 2 at c=8"),
+    "speculation": Suite("bench.speculation", (), ("--quick",), "speculative generate against speculate 0: "
+                         "single node and chain, c=1/4/8, copy-heavy and non-repetitive", "file"),
 }  # fmt: skip
 
 # `just bench`: (suite, model; None = the suite's default, gemma-3-270m).
@@ -89,6 +91,7 @@ FULL_SET = [
     ("attach", None),
     ("pipeline", SHAPE),
     ("attach", SHAPE),
+    ("speculation", None),
     ("chaos", None),
 ]
 QUICK_SET: list[tuple[str, str | None]] = [("report", None)]
