@@ -19,7 +19,8 @@ import pytest
 import trio
 
 from engine.backend import Segment, StageBackend
-from engine.messages import Output
+from engine.engine import open_engine
+from engine.messages import OpenRequest, Output, StepRequest
 from neuron_tai import generate_run
 from neuron_tai.client import Client, Done, Generated, open_client
 from neuron_tai.config import NodeConfig
@@ -27,6 +28,7 @@ from neuron_tai.drafting import Drafter, DraftPolicy
 from neuron_tai.node import open_node
 from protocol.sampling import Sampling
 from tests.conftest import OpenBackend
+from tests.held import held_decodes, wait_until
 from tests.test_generate import chain
 from tests.test_node import engine_config, node_and_client, prompt
 
@@ -274,3 +276,35 @@ async def test_sampled_speculation_has_the_distribution_of_plain_sampling(
         for wrong in (keep_the_first_draft, keep_every_draft):
             monkeypatch.setattr(generate_run, "accepted", wrong)
             assert worst(plain, await sampled_runs(client, ids, range(RUNS, 2 * RUNS), 4)) > 1, wrong.__name__
+
+
+# -- inside continuous batching ---------------------------------------------------------------
+
+
+async def test_a_verification_shares_a_llama_decode_with_other_sessions_decodes(tiny_model: Path) -> None:
+    """A multi-row `out: "tokens"` step of a decoding session is planned like a short prefill chunk:
+    beside another session's one-token decode in one call (default mode), answered with every row."""
+    cfg = engine_config(tiny_model, record_iterations=True, max_prefill_tokens=16)
+    async with open_engine(cfg) as engine:
+        for name in ("plain", "spec", "blocker"):
+            await engine.request(OpenRequest("c", name, 64))
+            await engine.request(StepRequest("c", name, 0, Output.TOKEN, tokens=np.array(IDS, np.int32)))
+        pos = len(IDS)
+        async with trio.open_nursery() as nursery:
+            with held_decodes(engine) as (entered, release):
+                blocker = StepRequest("c", "blocker", pos, Output.TOKEN, tokens=np.array([5], np.int32))
+                nursery.start_soon(engine.request, blocker)
+                await wait_until(entered.is_set)  # the engine is inside the blocker's decode
+                done: dict[str, Any] = {}
+
+                async def ask(name: str, ids: list[int], out: Output) -> None:
+                    done[name] = await engine.request(StepRequest("c", name, pos, out, tokens=np.array(ids, np.int32)))
+
+                nursery.start_soon(ask, "plain", [7], Output.TOKEN)
+                nursery.start_soon(ask, "spec", [7, *DRAFTS], Output.TOKENS)
+                await wait_until(lambda: engine._inbox.statistics().current_buffer_used == 2)
+                release.set()
+        shared = [r for r in engine.executor.iterations if {c[0][1] for c in r.chunks} == {"plain", "spec"}]
+        assert shared, list(engine.executor.iterations)
+        assert done["spec"].tokens is not None and len(done["spec"].tokens) == 1 + len(DRAFTS)
+        assert done["spec"].tokens[0] == done["plain"].token  # same history, same first row
