@@ -179,7 +179,7 @@ async def tokenize_all(address: str, args: argparse.Namespace) -> dict[str, list
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="48 new tokens, 900-character files")
-    parser.add_argument("--speculate", type=int, default=4, help="draft tokens per pass in the speculating arm")
+    parser.add_argument("--speculate", type=int, default=6, help="draft tokens per pass in the speculating arm")
     parser.add_argument("--out", type=Path, default=EVIDENCE / "speculation.json")
     parser.add_argument("--model", type=Path, help="another GGUF file (default: gemma-3-270m, which copies)")
     parser.add_argument("--levels", default="1,4,8", help="concurrencies")

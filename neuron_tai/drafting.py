@@ -10,10 +10,9 @@ what followed them there is proposed. No second model: it pays on work that repe
 own context (editing or continuing a given file, answering from a given document).
 
 `DraftPolicy` adapts per session: full acceptance lengthens drafts, partial acceptance
-trims them to what was accepted plus one, and passes that keep less than half of their
-drafts (a rejected row costs about what a kept one saves) finally pause drafting, for a
-pause that doubles while drafts keep failing and resets once a pass keeps at least half.
-So a session that never repeats itself drafts rarely and short.
+trims them to what was accepted plus one, and passes that accept nothing shrink them and
+finally pause drafting, for a pause that doubles while drafts keep failing and resets once
+one is accepted. So a session that never repeats itself drafts rarely and short.
 """
 
 from __future__ import annotations
@@ -101,7 +100,7 @@ class DraftPolicy:
     """How many tokens one session drafts next, from how its drafts fared."""
 
     max_draft: int
-    patience: int = 2  # passes in a row that keep less than half their drafts before drafting pauses
+    patience: int = 2  # passes in a row that accept nothing before drafting pauses
     first_pause: int = 4  # passes without drafts after the first such run
     max_pause: int = 64
     length: int = 0  # tokens the next draft may have (0 before the first observation: max_draft)
@@ -130,7 +129,7 @@ class DraftPolicy:
             self.length = min(self.max_draft, self.length + max(1, self.length // 2))
         else:
             self.length = max(1, accepted + 1 if accepted else self.length // 2)
-        if 2 * accepted >= drafted:  # at least half kept: the rows paid for themselves
+        if accepted:
             self.misses, self.next_pause = 0, self.first_pause
             return
         self.misses += 1

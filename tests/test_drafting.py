@@ -110,13 +110,3 @@ def test_one_accepted_draft_ends_the_pause_doubling() -> None:
     policy.passed(1, 1)
     policy.passed(policy.budget(), 0)
     assert policy.pause == 2  # back to the first pause
-
-
-@given(st.integers(2, 8), st.data())
-def test_passes_that_keep_less_than_half_their_drafts_pause_drafting(max_draft: int, data: st.DataObject) -> None:
-    policy = DraftPolicy(max_draft, patience=2)
-    for _ in range(2):
-        drafted = policy.budget()
-        assert drafted > 0
-        policy.passed(drafted, data.draw(st.integers(0, (drafted - 1) // 2)))
-    assert policy.budget() == 0
