@@ -140,7 +140,9 @@ def row(setup: str, workload: str, c: int, speculate: int, arm: Arm, base: Arm) 
 async def measure(
     address: str, setup: str, prompts: dict[str, list[list[int]]], args: argparse.Namespace, levels: list[int]
 ) -> list[dict[str, Any]]:
-    """Both workloads at each concurrency, `speculate: 0` then K, on one setup's nodes."""
+    """Both workloads at each concurrency, `speculate: 0` then K, on one setup's nodes, after a
+    warm-up (fresh nodes fault their weights in: the first arm measured would pay for it)."""
+    await run_arm(address, [prompts["copy-heavy"][0]], args, args.speculate, False)
     rows = []
     for workload, pool in prompts.items():
         for c in levels:
