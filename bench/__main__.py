@@ -73,6 +73,8 @@ SUITES = {
     "micro-batches": Suite("bench.micro_batches", (), None, "micro-batches 1 vs 2 at c=8"),
     "placement": Suite("bench.placement", (), ("--quick",), "plan's split vs even and weight-balanced on unequal "
                        "stages (cgroup quota), c=8", "file"),
+    "speculation": Suite("bench.speculation", (), ("--quick",), "speculative generate against speculate 0: "
+                         "single node and chain, c=1/4/8, copy-heavy and non-repetitive", "file"),
 }  # fmt: skip
 
 # `just bench`: (suite, model; None = the suite's default, gemma-3-270m), each suite with its full arguments.
@@ -94,6 +96,7 @@ FULL_SET: list[tuple[str, str | None]] = [
     ("attach", None),
     ("pipeline", SHAPE),
     ("attach", SHAPE),
+    ("speculation", None),
     ("chaos", None),
 ]
 FULL_EXTRA: dict[tuple[str, str | None], tuple[str, ...]] = {

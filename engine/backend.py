@@ -136,6 +136,11 @@ class SegmentResult:
     hidden: npt.NDArray[np.float32] | None = None
     logits: npt.NDArray[np.float32] | None = None
     token: int | None = None
+    tokens: npt.NDArray[np.int32] | None = None
+
+
+# What a last stage may give, and which of those need every row's logits.
+_LAST_OUTPUTS = (Output.LOGITS, Output.TOKEN, Output.TOKENS)
 
 
 @dataclass(slots=True)
@@ -338,7 +343,7 @@ class StageBackend:
         if (info.first and tokens is None) or (not info.first and hidden is None):
             want = "token ids" if info.first else "hidden states"
             raise Fault(ErrorCode.WRONG_STAGE, f"this stage (layers {info.layers[0]}-{info.layers[1]}) takes {want}")
-        if output in (Output.LOGITS, Output.TOKEN) and not info.last:
+        if output in _LAST_OUTPUTS and not info.last:
             raise Fault(ErrorCode.WRONG_STAGE, f"only a last stage gives {output.value}; this one gives hidden")
         if output is Output.HIDDEN and info.last:
             raise Fault(ErrorCode.WRONG_STAGE, "a last stage gives logits or tokens, not hidden states")
@@ -354,7 +359,7 @@ class StageBackend:
         self._batch.clear()
         rows: list[range] = []
         for s in segments:
-            outputs = s.output in (Output.HIDDEN, Output.PAD)
+            outputs = s.output in (Output.HIDDEN, Output.PAD, Output.TOKENS)
             r = self._batch.add(s.seq, s.pos, tokens=s.tokens, hidden=s.hidden, outputs=outputs)
             if s.output in (Output.LOGITS, Output.TOKEN):
                 self._batch.logits[r.stop - 1] = 1
@@ -394,9 +399,22 @@ class StageBackend:
             elif s.output is Output.TOKEN:
                 assert state.sampler is not None
                 results.append(SegmentResult(s.seq, token=state.sampler.sample(self.ctx, r.stop - 1, state.length)))
+            elif s.output is Output.TOKENS:
+                results.append(SegmentResult(s.seq, tokens=self._row_tokens(state, s.pos, r)))
             else:
                 results.append(SegmentResult(s.seq))
         return results
+
+    def _row_tokens(self, state: _Sequence, pos: int, rows: range) -> npt.NDArray[np.int32]:
+        """Row i's token as `Output.TOKEN` would have sampled it had the step ended at row i.
+
+        The sampler draws from (seed, position of the sampled token), so sampling the rows one
+        by one in order is exactly what as many one-row steps would have drawn, and a rewind
+        leaves nothing behind in it.
+        """
+        assert state.sampler is not None
+        sample = state.sampler.sample
+        return np.array([sample(self.ctx, row, pos + i + 1) for i, row in enumerate(rows)], np.int32)
 
     # -- vocabulary ---------------------------------------------------------------
 

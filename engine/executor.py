@@ -26,6 +26,8 @@ from protocol.errors import ErrorCode, Fault
 
 log = logging.getLogger("neuron_tai.engine")
 
+_EVERY_ROW = (Output.HIDDEN, Output.TOKENS)  # outputs every chunk of a step gives, not only its last
+
 
 @dataclass(frozen=True, slots=True)
 class IterationRecord:
@@ -83,6 +85,8 @@ class Executor:
         for chunk, result in zip(call.chunks, results, strict=False):
             if result.hidden is not None:
                 self._step(chunk).payload.hidden.append(result.hidden)
+            if result.tokens is not None:
+                self._step(chunk).payload.tokens.append(result.tokens)
             if chunk.completes:
                 last[chunk.key] = result
         for step in self.scheduler.commit(plan, now_ms(), seconds * 1000):
@@ -115,7 +119,7 @@ class Executor:
         for chunk in call.chunks:
             req = self._step(chunk).payload.request
             rows = slice(chunk.offset, chunk.offset + chunk.count)
-            out = req.out if chunk.completes or req.out is Output.HIDDEN else Output.NONE
+            out = req.out if chunk.completes or req.out in _EVERY_ROW else Output.NONE
             tokens = None if req.tokens is None else req.tokens[rows]
             hidden = None if req.hidden is None else req.hidden[rows]
             segments.append(Segment(chunk.seq, chunk.pos, tokens, hidden, out))
@@ -185,9 +189,20 @@ class Executor:
 
 def _done(work: Work, last: SegmentResult, session: Session[Work]) -> StepDone:
     req = work.request
-    hidden = None
+    hidden = tokens = None
     if req.out is Output.HIDDEN:
         hidden = work.hidden[0] if len(work.hidden) == 1 else np.concatenate(work.hidden)
+    if req.out is Output.TOKENS:
+        tokens = work.tokens[0] if len(work.tokens) == 1 else np.concatenate(work.tokens)
     return StepDone(
-        req.session, req.pos, req.n, req.out, session.length, session.max_tokens, hidden, last.logits, last.token
+        req.session,
+        req.pos,
+        req.n,
+        req.out,
+        session.length,
+        session.max_tokens,
+        hidden,
+        last.logits,
+        last.token,
+        tokens,
     )

@@ -27,6 +27,7 @@ class Output(enum.Enum):
     HIDDEN = "hidden"  # every row's hidden state (non-last stages)
     LOGITS = "logits"  # the last row's logits (last stage)
     TOKEN = "token"  # a token sampled from the last row (last stage)
+    TOKENS = "tokens"  # one token sampled from every row, as if each ended the step (last stage)
     PAD = "pad"  # padding rows: computed as outputs (fixed batch shape), nothing returned
 
 
@@ -110,6 +111,7 @@ class StepDone:
     hidden: npt.NDArray[np.float32] | None = None
     logits: npt.NDArray[np.float32] | None = None
     token: int | None = None
+    tokens: npt.NDArray[np.int32] | None = None  # `Output.TOKENS`: one per row
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,6 +42,7 @@ class Work:
     request: StepRequest
     reply: Reply
     hidden: list[np.ndarray] = field(default_factory=list)
+    tokens: list[np.ndarray] = field(default_factory=list)  # `Output.TOKENS`, chunk by chunk
 
 
 @dataclass(frozen=True, slots=True)

@@ -69,6 +69,7 @@ class StepReply:
     token: int | None = None
     logits: npt.NDArray[np.float32] | None = None
     hidden: npt.NDArray[np.float32] | None = None
+    tokens: list[int] | None = None  # `out: "tokens"`: one per row
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +89,7 @@ class Done:
     generated: int
     length: int
     tokens: list[int]
+    passes: int | None = None  # passes through the chain, when the node says (speculative generate)
 
 
 def as_sampling(sampling: Sampling | Mapping[str, Any] | None) -> Sampling:
@@ -230,6 +232,8 @@ class Client:
             return StepReply(result, token=result.token)
         if result.out == "logits":
             return StepReply(result, logits=result.data)
+        if result.out == "tokens":
+            return StepReply(result, tokens=[int(t) for t in result.data])
         return StepReply(result, hidden=result.data if result.out == "hidden" else None)
 
     async def generate_tokens(
@@ -242,13 +246,14 @@ class Client:
         stop: Iterable[int] = (),
         ignore_eog: bool = False,
         stream: bool = True,
+        speculate: int | None = None,
     ) -> AsyncGenerator[Generated | Done, None]:
         """Server-side generation in an open session: `Generated` pieces as they come (when
         streaming), then one `Done`. An `error` reply raises Fault. Not retried: each reply
         must come within `timeout_s` of the one before."""
         ids = np.asarray(tokens, np.int32)
         request = wire.Generate(
-            0, session, pos, len(ids), ids, max_new, frozenset(int(t) for t in stop), ignore_eog, stream
+            0, session, pos, len(ids), ids, max_new, frozenset(int(t) for t in stop), ignore_eog, stream, speculate
         )
         await self._check_answers()
         replies = self.core.stream(request, self.timeout_s, final_ops=("done",), most=max_new + 1)
@@ -261,7 +266,7 @@ class Client:
                     else:
                         done = _expect(reply, wire.Done)
                         got = [] if done.tokens is None else [int(t) for t in done.tokens]
-                        yield Done(done.reason, done.generated, done.length, got)
+                        yield Done(done.reason, done.generated, done.length, got, done.passes)
         except OutboxFull as exc:
             raise Fault(ErrorCode.BUSY, str(exc)) from None
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import EngineConfig
+from neuron_tai.drafting import MAX_SPECULATE
 from neuron_tai.security import ServerCurve
 from transport import memory_bounds as bounds
 from transport import wire
@@ -158,6 +159,18 @@ class NodeConfig:
             "flag": "recovery-deadline",
             "group": "limits",
             "min": 0,
+        },
+    )
+    # Speculative `generate` (PROTOCOL.md): draft tokens verified per pass through the chain,
+    # unless a request's `speculate` says otherwise. Only a node that runs generate uses it.
+    speculate: int = field(
+        default=0,
+        metadata={
+            "help": "draft tokens a generate verifies per pass through the chain (prompt lookup; 0: off); "
+            "a request's `speculate` overrides it",
+            "group": "options",
+            "min": 0,
+            "max": MAX_SPECULATE,
         },
     )
     extra_stats: dict[str, Any] = field(default_factory=dict)

@@ -1,10 +1,16 @@
 """The token loop of server-side `generate`: step, sample, feed the token back, stream.
 
-Every token is one ordinary step (so it batches with every other session's), fed the
+Every pass is one ordinary step (so it batches with every other session's), fed the
 token the step before it sampled; the step's outcome says the session's length and
 `max_tokens`, so the loop never asks the engine where the session stands. Tokens are held
 back (and later sent several to a message) while the peer's pipe is full, so a slow
 reader costs one growing list bounded by `max_new`, not a message queue.
+
+Speculation (`speculate` > 0): a pass may carry draft tokens after the fed one
+(neuron_tai.drafting) and ask for `out: "tokens"`; it yields the drafts the model agrees
+with and the model's own next token, each checked against the end rule in order exactly
+as if it had come from a pass of its own. The next pass starts after the last token kept,
+which rewinds the rejected drafts on every stage of the chain.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ import numpy.typing as npt
 import trio
 
 from engine.engine import Engine
+from engine.messages import Rollback
+from neuron_tai.drafting import MAX_SPECULATE, Drafter, accepted
 from neuron_tai.generation import MAX_PENDING_CANCELS, EndReason, EndRule, Generation
 from neuron_tai.handler_pool import HandlerPool, Held
 from neuron_tai.outbox import Outbox
@@ -34,12 +42,24 @@ class _Progress:
     feed: npt.NDArray[np.int32]
     produced: list[int] = field(default_factory=list)
     unsent: int = 0  # the last `unsent` tokens of `produced` are not streamed yet
+    passes: int = 0  # steps through the chain that went through
+    kv_length: int = 0  # what the session holds after the last pass (past `pos` by rejected drafts)
+    max_tokens: int = 0
 
 
 class Generations:
     """Owns the running generates, by session."""
 
-    def __init__(self, engine: Engine, steps: StepRunner, gate: SessionGate, pool: HandlerPool, outbox: Outbox) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        steps: StepRunner,
+        gate: SessionGate,
+        pool: HandlerPool,
+        outbox: Outbox,
+        speculate: int = 0,
+    ) -> None:
+        self.speculate = speculate  # the node's default for a generate that does not say
         self.engine = engine
         self.steps = steps
         self.gate = gate
@@ -107,38 +127,71 @@ class Generations:
         """Step until a token or `cancel` ends the run; then `done` (or the error that ended it)."""
         rule = EndRule(req.max_new, req.stop, frozenset() if req.ignore_eog else self.engine.eog_tokens)
         progress = _Progress(req.pos, req.tokens)
+        speculate = self._speculate(req)
+        drafter = Drafter.of(req.tokens, speculate) if speculate else None
         reason: EndReason | None = None
         while reason is None:
             if run.cancel.is_set():
                 reason = EndReason.CANCELLED
                 break
-            step = wire.Step(
-                req.rid, req.session, progress.pos, len(progress.feed), "tokens", "token", "f32", tokens=progress.feed
-            )
-            outcome = await self.steps.run(peer, step)
+            drafts = self._drafts(drafter, progress, rule)
+            outcome = await self.steps.run(peer, _pass(req, progress, drafts))
             if isinstance(outcome, Fault) and outcome.code is ErrorCode.BUSY and progress.produced:
                 # A full queue mid-run is this node's own congestion: the run waits its turn
                 # (a one-token step always fits again) instead of failing the client's generation.
                 await trio.sleep(max(outcome.retry_after_ms or 0, 1) / 1000)
                 continue
             if isinstance(outcome, Fault):
-                self._failed(peer, req, run, progress, outcome)
+                await self._failed(peer, req, run, progress, outcome)
                 return
-            if not progress.produced:  # from now on each step is one token: it holds that much
-                self.pool.release(peer, hold, self.steps.held_bytes(1, req.tokens.nbytes))
-            reason = self._advance(progress, outcome, rule)
+            if not progress.produced:  # from now on each step is one token and its drafts
+                self.pool.release(peer, hold, self.steps.held_bytes(1 + speculate, req.tokens.nbytes))
+            reason = self._advance(progress, outcome, rule, drafts, drafter)
             if not self._stream(peer, req, progress, flush=reason is not None):
                 return  # the peer is gone: its session is being freed
-        self._done(peer, req, run, progress, reason)
+        await self._trim(peer, req.session, progress)
+        self._done(peer, req, run, progress, reason, speculate)
 
-    def _advance(self, progress: _Progress, outcome: StepOutcome, rule: EndRule) -> EndReason | None:
-        assert outcome.token is not None
-        token = outcome.token
-        progress.produced.append(token)
-        progress.unsent += 1
-        self.tokens_total += 1
-        progress.pos, progress.feed = outcome.length, np.array([token], np.int32)
-        return rule.reason(token, len(progress.produced), outcome.length, outcome.max_tokens)
+    def _speculate(self, req: wire.Generate) -> int:
+        """Draft tokens per pass for this run: the request's or the node's, within what a step carries."""
+        wanted = self.speculate if req.speculate is None else req.speculate
+        return max(0, min(wanted, MAX_SPECULATE, self.steps.stage.max_step_tokens - 1))
+
+    @staticmethod
+    def _drafts(drafter: Drafter | None, progress: _Progress, rule: EndRule) -> list[int]:
+        """Drafts for the next pass: none on the prompt's pass, none past `max_new` or `max_tokens`."""
+        if drafter is None or not progress.produced:
+            return []
+        room = min(rule.max_new - len(progress.produced), progress.max_tokens - progress.pos) - 1
+        return drafter.draft(room) if room > 0 else []
+
+    def _advance(
+        self, progress: _Progress, outcome: StepOutcome, rule: EndRule, drafts: list[int], drafter: Drafter | None
+    ) -> EndReason | None:
+        """Take a pass's tokens in order, each as if it had come from a pass of its own, until one ends the run."""
+        tokens = accepted(drafts, outcome.result.data.tolist()) if drafts else [outcome.token]
+        if drafter is not None:
+            drafter.passed(drafts, tokens)
+        progress.passes += 1
+        progress.kv_length, progress.max_tokens = outcome.length, outcome.max_tokens
+        first_length = outcome.length - len(drafts)  # where the pass's first token goes
+        reason = None
+        for i, token in enumerate(tokens):
+            progress.produced.append(token)
+            progress.unsent += 1
+            self.tokens_total += 1
+            progress.pos, progress.feed = first_length + i, np.array([token], np.int32)
+            reason = rule.reason(token, len(progress.produced), progress.pos, outcome.max_tokens)
+            if reason is not None:
+                break
+        return reason
+
+    async def _trim(self, peer: bytes, session: str, progress: _Progress) -> None:
+        """Drop the drafts a last pass left past the run's end from this stage's KV, so the session's
+        length here is the `done`'s; stages below drop them with the session's next step."""
+        if progress.produced and progress.kv_length > progress.pos:
+            await self.engine.cleanup(Rollback(peer, session, progress.pos))
+            progress.kv_length = progress.pos
 
     def _stream(self, peer: bytes, req: wire.Generate, progress: _Progress, *, flush: bool) -> bool:
         """Stream the unsent tokens as one `generated` message unless the peer's pipe is full."""
@@ -150,22 +203,45 @@ class Generations:
         generated = wire.Generated(req.rid, req.session, req.pos + req.n + first, ids)
         return self.outbox.deliver(peer, req.session, wire.encode_reply(generated))
 
-    def _failed(self, peer: bytes, req: wire.Generate, run: Generation, progress: _Progress, fault: Fault) -> None:
+    async def _failed(
+        self, peer: bytes, req: wire.Generate, run: Generation, progress: _Progress, fault: Fault
+    ) -> None:
         """The session keeps every token streamed before the error; `length` says where it stands."""
         if not self._stream(peer, req, progress, flush=True):
             return
-        # Where the session stands now: after a failed recovery that is where its replay stopped.
+        # Where the session stands now: after a failed recovery that is where its replay stopped;
+        # never past the last token kept (a pass's rejected drafts may still be in the KV).
         run.length = self.engine.length_of(peer, req.session) or 0
+        if progress.produced and run.length > progress.pos:
+            progress.kv_length = run.length
+            await self._trim(peer, req.session, progress)
+            run.length = progress.pos
         self.outbox.send(peer, wire.encode_reply(wire.ErrorReply.of(fault, req.rid, req.session, run.length)))
 
     def _done(
-        self, peer: bytes, req: wire.Generate, run: Generation, progress: _Progress, reason: EndReason | None
+        self,
+        peer: bytes,
+        req: wire.Generate,
+        run: Generation,
+        progress: _Progress,
+        reason: EndReason | None,
+        speculate: int,
     ) -> None:
         produced = progress.produced
         run.length = progress.pos if produced else (self.engine.length_of(peer, req.session) or 0)
         tokens = None if req.stream else np.array(produced, np.int32)
-        done = wire.Done(req.rid, req.session, str(reason), len(produced), run.length, tokens)
+        passes = progress.passes if speculate else None
+        done = wire.Done(req.rid, req.session, str(reason), len(produced), run.length, tokens, passes)
         self.outbox.deliver(peer, req.session, wire.encode_reply(done))
+
+
+def _pass(req: wire.Generate, progress: _Progress, drafts: list[int]) -> wire.Step:
+    """The step of one pass: the fed token(s), then any drafts to verify (`out: "tokens"`)."""
+    if not drafts:
+        feed = progress.feed
+        return wire.Step(req.rid, req.session, progress.pos, len(feed), "tokens", "token", "f32", tokens=feed)
+    feed = np.concatenate([progress.feed, np.array(drafts, np.int32)])
+    return wire.Step(req.rid, req.session, progress.pos, len(feed), "tokens", "tokens", "f32", tokens=feed)
 
 
 def _cancelled(rid: int, session: str, length: int) -> list[bytes]:

@@ -146,7 +146,7 @@ class Node:
         self.gate = SessionGate()
         recovery = RecoveryLimits(config.recovery_attempts, config.recovery_deadline_s)
         self.steps = StepRunner(engine, self.stage, self.forwarder, recovery)
-        self.generations = Generations(engine, self.steps, self.gate, self.pool, self.outbox)
+        self.generations = Generations(engine, self.steps, self.gate, self.pool, self.outbox, config.speculate)
         self.leases = Leases(
             config.lease_s,
             busy=self.pool.busy_with,

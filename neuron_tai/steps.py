@@ -26,7 +26,7 @@ from transport import wire
 
 Key = tuple[bytes, str]
 
-_OUT = {"hidden": Output.HIDDEN, "token": Output.TOKEN, "logits": Output.LOGITS}
+_OUT = {"hidden": Output.HIDDEN, "token": Output.TOKEN, "logits": Output.LOGITS, "tokens": Output.TOKENS}
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +52,8 @@ def _local(done: StepDone, req: wire.Step) -> StepOutcome:
         data = done.hidden
     elif done.logits is not None:
         data = done.logits
+    elif done.tokens is not None:
+        data = done.tokens
     else:
         data = np.array([done.token], np.int32)
     result = wire.Result(req.rid, req.session, req.pos, req.n, req.out, data, req.out_dtype)
@@ -113,7 +115,7 @@ class StepRunner:
         if req.input == "hidden" and stage.first:
             return Fault(ErrorCode.WRONG_STAGE, "this is a first stage: it takes token input")
         if self.forwarder is None and (req.out == "hidden") == stage.last:
-            want = "'token' or 'logits'" if stage.last else "'hidden'"
+            want = "'token', 'tokens' or 'logits'" if stage.last else "'hidden'"
             return Fault(ErrorCode.WRONG_STAGE, f"this stage (layers {stage.layers}) gives out={want}")
         return self.too_large(req.n)
 

@@ -74,6 +74,7 @@ def generates(draw: st.DrawFn) -> wire.Generate:
         frozenset(draw(st.lists(int32s, max_size=4))),
         draw(st.booleans()),
         draw(st.booleans()),
+        draw(st.one_of(st.none(), st.integers(0, 64))),
     )
 
 
@@ -120,7 +121,7 @@ def dones(draw: st.DrawFn) -> wire.Done:
     tokens = draw(st.one_of(st.none(), token_arrays()))
     generated = draw(naturals) if tokens is None else len(tokens)
     common = (draw(rids), draw(sessions), draw(st.sampled_from(REASONS)))
-    return wire.Done(*common, generated, draw(naturals), tokens)
+    return wire.Done(*common, generated, draw(naturals), tokens, draw(st.one_of(st.none(), naturals)))
 
 
 stats_values = st.recursive(
@@ -187,12 +188,26 @@ def test_every_message_type_is_covered() -> None:
     assert len(wire.REPLY_OPS) == 11 and len(OPS) == 9
 
 
-def test_the_node_still_refuses_the_outputs_it_does_not_serve() -> None:
-    ids = np.array([1], np.int32)
-    frames = wire.encode_request(wire.Step(4, "s", 0, 1, "tokens", "tokens", "f32", tokens=ids))
+def test_the_node_serves_every_output_and_refuses_others() -> None:
+    ids = np.array([1, 2], np.int32)
+    step = wire.Step(4, "s", 0, 2, "tokens", "tokens", "f32", tokens=ids)
+    decoded = wire.decode_request(wire.encode_request(step), N_EMBD)
+    assert isinstance(decoded, wire.Step) and decoded.out == "tokens"
+    frames = wire.encode_request(dataclasses.replace(step, out="probabilities"))
     with pytest.raises(Fault) as info:
         wire.decode_request(frames, N_EMBD)
     assert info.value.code == ErrorCode.BAD_REQUEST and info.value.rid == 4
+
+
+def test_a_negative_speculate_is_a_bad_request() -> None:
+    request = wire.Generate(5, "s", 0, 1, np.array([1], np.int32), 4, speculate=0)
+    frames = wire.encode_request(request)
+    decoded = wire.decode_request(frames, N_EMBD)
+    assert isinstance(decoded, wire.Generate) and decoded.speculate == 0
+    bad = [msgpack.packb({**msgpack.unpackb(frames[0]), "speculate": -1}), *frames[1:]]
+    with pytest.raises(Fault) as info:
+        wire.decode_request(bad, N_EMBD)
+    assert info.value.code == ErrorCode.BAD_REQUEST and info.value.rid == 5
 
 
 def test_an_error_reply_is_built_from_a_fault() -> None:

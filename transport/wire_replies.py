@@ -71,6 +71,7 @@ class Done:
     generated: int
     length: int
     tokens: npt.NDArray[np.int32] | None = None  # only when not streamed
+    passes: int | None = None  # passes through the chain this generate made (speculative generate)
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,6 +205,8 @@ def _message(r: Reply) -> tuple[dict[str, Any], list[bytes]]:
         return {"session": r.session, "pos": r.pos, "n": len(r.tokens)}, [int32_bytes(r.tokens)]
     if isinstance(r, Done):
         keys = {"session": r.session, "reason": r.reason, "generated": r.generated, "length": r.length}
+        if r.passes is not None:
+            keys["passes"] = r.passes
         return keys, [] if r.tokens is None else [int32_bytes(r.tokens)]
     if isinstance(r, Cancelled):
         return {"session": r.session, "length": r.length}, []
@@ -289,7 +292,8 @@ def _done(h: dict[str, Any], payload: list[bytes], rid: int) -> Done:
     generated = read_int(h, "generated", rid, lo=0, code=_DOWN)
     length = read_int(h, "length", rid, lo=0, code=_DOWN)
     tokens = int32_frame(one_frame(payload, rid, _DOWN), generated, rid, _DOWN) if payload else None
-    return Done(rid, session, reason, generated, length, tokens)
+    passes = read_int(h, "passes", rid, lo=0, code=_DOWN) if "passes" in h else None
+    return Done(rid, session, reason, generated, length, tokens, passes)
 
 
 def _error(h: dict[str, Any], payload: list[bytes]) -> ErrorReply:

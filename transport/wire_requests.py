@@ -40,7 +40,7 @@ F32_MIN_NORMAL = float(np.finfo(np.float32).tiny)
 SEED_RANGE = (-(2**63), 2**64)  # what a msgpack integer can hold; the sampler hashes it to 32 bits
 MAX_TEXT_TOKENS = 2**18
 OUTS = ("hidden", "token", "logits", "tokens")  # what a step may ask for (`tokens`: a v1 extension)
-SERVED_OUTS = ("hidden", "token", "logits")  # what a node serves today
+SERVED_OUTS = OUTS  # what a node serves
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +79,7 @@ class Generate:
     stop: frozenset[int] = frozenset()
     ignore_eog: bool = False
     stream: bool = True
+    speculate: int | None = None  # most draft tokens per pass; None: the node's own setting
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,7 +281,8 @@ def _generate(h: dict[str, Any], payload: list[bytes], rid: int) -> Generate:
         raise Fault(ErrorCode.BAD_REQUEST, "'stop' must be a list of token ids", rid=rid)
     tokens = int32_frame(one_frame(payload, rid), n, rid)
     ignore_eog, stream = read_bool(h, "ignore_eog", rid, False), read_bool(h, "stream", rid, True)
-    return Generate(rid, session, pos, n, tokens, max_new, frozenset(stop), ignore_eog, stream)
+    speculate = read_int(h, "speculate", rid, lo=0) if "speculate" in h else None
+    return Generate(rid, session, pos, n, tokens, max_new, frozenset(stop), ignore_eog, stream, speculate)
 
 
 # -- encoding ------------------------------------------------------------------------------
@@ -323,7 +325,10 @@ def _message(r: Request) -> tuple[dict[str, Any], list[bytes]]:
         return _step_message(r)
     if isinstance(r, Generate):
         keys = {"session": r.session, "pos": r.pos, "n": r.n, "max_new": r.max_new, "stop": sorted(r.stop)}
-        return {**keys, "ignore_eog": r.ignore_eog, "stream": r.stream}, [int32_bytes(r.tokens)]
+        keys |= {"ignore_eog": r.ignore_eog, "stream": r.stream}
+        if r.speculate is not None:
+            keys["speculate"] = r.speculate
+        return keys, [int32_bytes(r.tokens)]
     if isinstance(r, Cancel | Close):
         return {"session": r.session}, []
     if isinstance(r, Tokenize):
