@@ -19,6 +19,7 @@ from engine.backend import (
 )
 from engine.llama_handles import LlamaModel, capture_llama_log
 from engine.messages import Output
+from engine.process_memory import release_mapped_file
 from neuron_tai.shard import write_stages
 from protocol.errors import ErrorCode, Fault
 from protocol.sampling import Sampling
@@ -365,3 +366,41 @@ def test_greedy_sampling_picks_what_llama_cpps_greedy_sampler_picks(
     finally:
         lc.llama_sampler_free(reference)
     assert ours == theirs and len(set(ours)) > 1
+
+
+def _resident_bytes_of(path: Path) -> int:
+    """Bytes of `path` this process holds resident through its mappings (/proc/self/smaps)."""
+    target, total, inside = str(path.resolve()), 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if fields and "-" in fields[0] and not fields[0].endswith(":"):
+            inside = fields[-1] == target
+        elif inside and fields[0] == "Rss:":
+            total += int(fields[1]) * 1024
+    return total
+
+
+def test_released_file_pages_come_back_on_use_with_identical_outputs(
+    tiny_model: Path, open_backend: OpenBackend, tmp_path: Path
+) -> None:
+    """A stage keeps resident only the weights it computes with: loading reads the whole file, then
+    its pages are dropped, and they come back from the file on the next touch, changing nothing."""
+    copy = tmp_path / "copy.gguf"
+    copy.write_bytes(tiny_model.read_bytes())
+    kept, dropped = open_backend(tiny_model), open_backend(copy)
+    assert _resident_bytes_of(copy) == 0  # nothing touched since the load released it
+    first = np.array(prompts(3, [9])["s0"], np.int32)
+    follow = np.array(prompts(4, [5])["s0"], np.int32)
+    for backend in (kept, dropped):
+        seq = backend.open_sequence()
+        backend.decode([Segment(seq, 0, tokens=first, output=Output.LOGITS)])
+    assert _resident_bytes_of(copy) > 0
+    assert release_mapped_file(copy) > 0
+    assert _resident_bytes_of(copy) == 0 and _resident_bytes_of(tiny_model) > 0
+    outs = []
+    for backend in (kept, dropped):
+        seq = backend.open_sequence()
+        outs.append(backend.decode([Segment(seq, 0, tokens=follow, output=Output.LOGITS)])[0].logits)
+    assert outs[0] is not None and outs[1] is not None
+    assert np.array_equal(outs[0], outs[1])
+    assert _resident_bytes_of(copy) > 0
