@@ -159,7 +159,28 @@ def weight_placement(path: Path, kernels: str = "auto") -> Placement:
     return placement(chosen, offered, tensors, cpu_features())
 
 
-class LlamaModel:
+class OwnedModel:
+    """A llama.cpp model pointer with one owner, and text to ids and back with its vocabulary."""
+
+    _ptr: lc.llama_model_p | None
+    vocab: lc.llama_vocab_p
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        return tokenize(self.vocab, text, add_special)
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return detokenize(self.vocab, tokens)
+
+    def close(self) -> None:
+        if self._ptr is not None:
+            lc.llama_model_free(self._ptr)
+            self._ptr = None
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class LlamaModel(OwnedModel):
     """A loaded (shard) model, memory-mapped, its weights on the kernel path `kernels` asks for.
 
     `weight_buffers` (bytes per llama.cpp buffer type) and `kernel_path` say where the
@@ -209,25 +230,11 @@ class LlamaModel:
         n = lc.llama_model_meta_val_str(self.ptr, key.encode(), buf, len(buf))
         return None if n < 0 else buf.value.decode("utf-8", "replace")
 
-    def tokenize(self, text: str, add_special: bool) -> list[int]:
-        return tokenize(self.vocab, text, add_special)
-
-    def detokenize(self, tokens: list[int]) -> str:
-        return detokenize(self.vocab, tokens)
-
     def is_eog(self, token: int) -> bool:
         return bool(lc.llama_vocab_is_eog(self.vocab, token))
 
-    def close(self) -> None:
-        if self._ptr is not None:
-            lc.llama_model_free(self._ptr)
-            self._ptr = None
 
-    def __del__(self) -> None:
-        self.close()
-
-
-class Vocabulary:
+class Vocabulary(OwnedModel):
     """A model file's vocabulary alone (no weights, no context): text to ids and back without a node."""
 
     def __init__(self, path: Path) -> None:
@@ -242,20 +249,6 @@ class Vocabulary:
         self._ptr = ptr
         self.vocab = lc.llama_model_get_vocab(ptr)
         self.n_vocab = int(lc.llama_vocab_n_tokens(self.vocab))
-
-    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
-        return tokenize(self.vocab, text, add_special)
-
-    def detokenize(self, tokens: list[int]) -> str:
-        return detokenize(self.vocab, tokens)
-
-    def close(self) -> None:
-        if self._ptr is not None:
-            lc.llama_model_free(self._ptr)
-            self._ptr = None
-
-    def __del__(self) -> None:
-        self.close()
 
 
 class SeqState(enum.Enum):
