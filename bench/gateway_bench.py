@@ -22,7 +22,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -228,8 +228,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="the tiny test model, few tokens: a check that it runs")
     parser.add_argument("--out", type=Path, help="JSON results (default: .bench/gateway[-quick].json)")
+    parser.add_argument("--concurrency", help="only these concurrencies, separated by commas (e.g. 1,8)")
     args = parser.parse_args()
     plan = QUICK if args.quick else FULL
+    if args.concurrency:
+        plan = replace(plan, concurrencies=tuple(int(c) for c in args.concurrency.split(",")))
     model = model_for(args.quick)
     out = args.out or WORK / f"gateway{'-quick' if args.quick else ''}.json"
     results: dict[str, list[dict[str, Any]]] = {}
