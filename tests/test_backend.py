@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from engine.backend import (
     Segment,
     StageBackend,
 )
+from engine.gguf_header import read_header
 from engine.llama_handles import LlamaModel, capture_llama_log
 from engine.messages import Output
 from engine.process_memory import release_mapped_file
@@ -404,3 +406,45 @@ def test_released_file_pages_come_back_on_use_with_identical_outputs(
     assert outs[0] is not None and outs[1] is not None
     assert np.array_equal(outs[0], outs[1])
     assert _resident_bytes_of(copy) > 0
+
+
+def _resident_pages(path: Path, offset: int, nbytes: int) -> int:
+    """How many pages of `path`'s bytes [offset, offset + nbytes) this process's mapping holds
+    resident (the present bit of /proc/self/pagemap, readable for one's own pages)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    target = str(path.resolve())
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) < 6 or fields[5] != target:
+            continue
+        start, end = (int(x, 16) for x in fields[0].split("-"))
+        address = start + offset - int(fields[2], 16)  # the mapping may begin past the file's start
+        if start <= address and address + nbytes <= end:
+            first, last = address // page, (address + nbytes - 1) // page
+            with open("/proc/self/pagemap", "rb") as pagemap:
+                pagemap.seek(first * 8)
+                entries = pagemap.read(8 * (last - first + 1))
+            return sum(int.from_bytes(entries[i : i + 8], "little") >> 63 for i in range(0, len(entries), 8))
+    raise AssertionError(f"{path} is not mapped")
+
+
+def test_a_non_last_stage_holds_no_page_of_the_output_head(tmp_path: Path, open_backend: OpenBackend) -> None:
+    """It never runs the vocabulary projection: after loading and decoding it holds at most the
+    few pages of the `output` tensor the kernel maps around neighbouring ones it touches
+    (fault-around); the last stage, which runs it, holds every page."""
+    model = write_tiny_model(tmp_path / "wide-vocab.gguf", TinySpec(n_vocab=4096))  # a 1 MiB output head
+    counts, pages = [], 0
+    for path in write_stages(model, tmp_path / "stages", [(0, 2), (2, 4)]):
+        backend = open_backend(path)
+        seq = backend.open_sequence()
+        if backend.info.first:
+            tokens = np.array(prompts(1, [20])["s0"], np.int32)
+            backend.decode([Segment(seq, 0, tokens=tokens, output=Output.HIDDEN)])
+        else:
+            hidden = np.random.default_rng(0).standard_normal((20, backend.info.n_embd)).astype(np.float32)
+            backend.decode([Segment(seq, 0, hidden=hidden, output=Output.LOGITS)])
+        header = read_header(path)
+        head = next(t for t in header.tensors if t.name == "output.weight")
+        pages = -(-head.nbytes // os.sysconf("SC_PAGE_SIZE"))
+        counts.append(_resident_pages(path, header.data_offset + head.offset, head.nbytes))
+    assert counts[0] < pages // 4 and counts[1] >= pages - 1  # (its ends may share a page with a neighbour)
