@@ -448,3 +448,21 @@ def test_a_non_last_stage_holds_no_page_of_the_output_head(tmp_path: Path, open_
         pages = -(-head.nbytes // os.sysconf("SC_PAGE_SIZE"))
         counts.append(_resident_pages(path, header.data_offset + head.offset, head.nbytes))
     assert counts[0] < pages // 4 and counts[1] >= pages - 1  # (its ends may share a page with a neighbour)
+
+
+def test_a_non_last_stage_reserves_no_vocabulary_head(tmp_path: Path, open_backend: OpenBackend) -> None:
+    """Its capture block lets it ask llama.cpp for no output row: its compute buffer has no room for
+    logits and its logits buffer never grows, where the last stage's (same layers) holds a logits
+    row for every row of a ubatch."""
+    # a vocabulary wide enough that logits outweigh the attention scores in llama.cpp's compute buffer
+    model = write_tiny_model(tmp_path / "wide-vocab.gguf", TinySpec(n_vocab=32768))
+    config = replace(CONFIG, n_batch=64, n_ubatch=64)
+    head, tail = (open_backend(p, config) for p in write_stages(model, tmp_path / "s", [(0, 2), (2, 4)]))
+    assert head.capture_all and not tail.capture_all
+    logits = 4 * head.info.n_vocab * config.n_ubatch
+    assert head.compute_buffer_bytes < logits <= tail.compute_buffer_bytes  # no room for one logits tensor
+    assert head.output_buffer_bytes(config.n_batch) == 4 * head.info.n_vocab * config.n_seq_max
+    seq = head.open_sequence()
+    tokens = np.array(prompts(2, [config.n_batch])["s0"], np.int32) % head.info.n_vocab
+    hidden = head.decode([Segment(seq, 0, tokens=tokens, output=Output.HIDDEN)])[0].hidden
+    assert hidden is not None and hidden.shape == (config.n_batch, head.info.n_embd)  # every row, none an output
