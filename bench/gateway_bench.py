@@ -1,5 +1,6 @@
-"""The OpenAI gateway in front of a single node and of a 2-stage chain, against llama-server's own
-OpenAI endpoint, with the same workload at concurrency 1 to 16.
+"""The OpenAI gateway in front of a single node and of a 2-stage chain, against the node driven
+directly over the protocol and llama-server's own OpenAI endpoint, with the same workload at
+concurrency 1 to 16.
 
     python -m bench.gateway_bench            # gemma-3-270m (the bench extra); builds llama-server once
     python -m bench.gateway_bench --quick    # the tiny test model: checks that it all runs, numbers mean nothing
@@ -9,8 +10,10 @@ of tokens) through `POST /v1/completions` with `stream: true`, from concurrent c
 closed loop. Measured per concurrency: aggregate completion tokens per second over the wall
 time (prefill included; tokens from each response's `usage`), time to the first streamed
 text, and the gaps between streamed chunks (one chunk per token from llama-server; the
-gateway sends what the node delivered together, usually one token). Writes JSON to
-`.bench/` (or `--out`).
+gateway sends what the node delivered together, usually one token). The node driven directly
+(open, a streamed server-side `generate`, close; token ids, no text) is what the gateway in
+front of it should cost nothing against; each gateway's node calls per request, by op, come
+from its /metrics. Writes JSON to `.bench/` (or `--out`).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -30,7 +33,7 @@ import trio
 from bench.common import WORK, bench_model, command_line, shown
 from bench.latency import percentile_ms
 from bench.llama_server import cached_binary, ensure_llama_server
-from bench.node_driver import run_closed_loop
+from bench.node_driver import generate, run_closed_loop
 from bench.processes import Processes, free_ports, node_ready, open_processes, serve_command
 from bench.server_peer import healthy, server_command
 from bench.workload import CORPUS, Request, make_requests
@@ -39,6 +42,7 @@ from neuron_tai.client import open_client
 from neuron_tai.shard import weight_balanced_bounds, write_stages
 
 SLOTS = 8  # node sessions and llama-server slots
+DIRECT = "single node, protocol direct"
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,19 +103,49 @@ async def closed_loop(url: str, model: str, requests: list[Request], concurrency
     async with httpx.AsyncClient(timeout=600, limits=limits) as http:
         by_rid, wall = await run_closed_loop(requests, concurrency, partial(complete, http, url, model))
     seen = list(by_rid.values())
-    tokens = sum(s.tokens for s in seen)
     gaps = [b - a for s in seen for a, b in zip(s.chunks, s.chunks[1:], strict=False)]
+    ttfts = [s.chunks[0] - s.start for s in seen if s.chunks]
+    return measured(concurrency, len(seen), sum(s.tokens for s in seen), wall, ttfts, gaps)
+
+
+def measured(
+    concurrency: int, requests: int, tokens: int, wall: float, ttfts: list[float], gaps: list[float]
+) -> dict[str, Any]:
+    """One system's row at one concurrency."""
     return {
         "concurrency": concurrency,
-        "requests": len(seen),
+        "requests": requests,
         "tokens": tokens,
         "wall_s": round(wall, 3),
         "tok_s": round(tokens / wall, 2),
-        "ttft_p50_ms": percentile_ms([s.chunks[0] - s.start for s in seen if s.chunks], 50),
-        "ttft_p99_ms": percentile_ms([s.chunks[0] - s.start for s in seen if s.chunks], 99),
+        "ttft_p50_ms": percentile_ms(ttfts, 50),
+        "ttft_p99_ms": percentile_ms(ttfts, 99),
         "itl_p50_ms": percentile_ms(gaps, 50),
         "itl_p99_ms": percentile_ms(gaps, 99),
     }
+
+
+async def direct_loop(address: str, requests: list[Request], concurrency: int) -> dict[str, Any]:
+    """The same closed loop against the node itself: open, streamed `generate`, close."""
+    async with open_client(address) as client:
+        traces, wall = await run_closed_loop(
+            requests, concurrency, lambda req: generate(client, req, f"direct-{req.rid}-{time.monotonic_ns()}")
+        )
+    seen = list(traces.values())
+    gaps = [gap for t in seen for gap in t.gaps]
+    ttfts = [t.ttft for t in seen if t.times]
+    return measured(concurrency, len(seen), sum(len(t.tokens) for t in seen), wall, ttfts, gaps)
+
+
+async def node_calls(url: str) -> dict[str, float]:
+    """A gateway's protocol requests to its node so far, by op (its /metrics)."""
+    async with httpx.AsyncClient(timeout=30) as http:
+        text = (await http.get(url.removesuffix("/v1/completions") + "/metrics")).text
+    calls = {}
+    for line in text.splitlines():
+        if line.startswith("neuron_tai_gateway_node_calls_total{"):
+            calls[line.split('op="', 1)[1].split('"', 1)[0]] = float(line.rsplit(" ", 1)[1])
+    return calls
 
 
 def model_for(quick: bool) -> Path:
@@ -150,6 +184,8 @@ def start(procs: Processes, model: Path, plan: Plan, quick: bool) -> tuple[dict[
             str(port),
             "--model-name",
             model.stem,
+            "--model",
+            str(model),
             "--open-wait-ms",
             "50000",
             "--timeout",
@@ -160,7 +196,7 @@ def start(procs: Processes, model: Path, plan: Plan, quick: bool) -> tuple[dict[
         return f"http://127.0.0.1:{port}/v1/completions"
 
     single = node("single", model, p[0], 2)
-    urls = {"gateway + single node": gateway("gateway-single", single, p[1])}
+    urls = {DIRECT: single, "gateway + single node": gateway("gateway-single", single, p[1])}
     tail = node("chain2-tail", shards[1], p[2], 1)
     urls["gateway + 2-stage chain"] = gateway(
         "gateway-chain2", node("chain2-head", shards[0], p[3], 1, ("--next", tail)), p[4]
@@ -192,8 +228,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="the tiny test model, few tokens: a check that it runs")
     parser.add_argument("--out", type=Path, help="JSON results (default: .bench/gateway[-quick].json)")
+    parser.add_argument("--concurrency", help="only these concurrencies, separated by commas (e.g. 1,8)")
     args = parser.parse_args()
     plan = QUICK if args.quick else FULL
+    if args.concurrency:
+        plan = replace(plan, concurrencies=tuple(int(c) for c in args.concurrency.split(",")))
     model = model_for(args.quick)
     out = args.out or WORK / f"gateway{'-quick' if args.quick else ''}.json"
     results: dict[str, list[dict[str, Any]]] = {}
@@ -202,13 +241,26 @@ def main() -> int:
         requests = trio.run(workload, single, plan)
         for c in plan.concurrencies:  # systems interleaved at each concurrency: drift hits all alike
             for system, url in urls.items():
-                row = trio.run(closed_loop, url, model.stem, requests, c)
+                if system == DIRECT:
+                    row = trio.run(direct_loop, url, requests, c)
+                else:
+                    row = trio.run(closed_loop, url, model.stem, requests, c)
                 results.setdefault(system, []).append(row)
                 print(
                     f"{system:28} c={c:<3} {row['tok_s']:8.2f} tok/s  TTFT p50/p99 {row['ttft_p50_ms']}/"
                     f"{row['ttft_p99_ms']} ms  ITL p50/p99 {row['itl_p50_ms']}/{row['itl_p99_ms']} ms",
                     flush=True,
                 )
+        calls = {s: trio.run(node_calls, u) for s, u in urls.items() if s.startswith("gateway")}
+    served = len(requests) * len(plan.concurrencies)
+    per_request = {s: {op: round(n / served, 3) for op, n in c.items()} for s, c in calls.items()}
+    print(f"node calls per request (/metrics, the gateway's own scrapes included): {per_request}", flush=True)
+    ratios = {
+        s: [round(r["tok_s"] / d["tok_s"], 3) for r, d in zip(rows, results[DIRECT], strict=True)]
+        for s, rows in results.items()
+        if s != DIRECT
+    }
+    print(f"tok/s against the node driven directly, c={list(plan.concurrencies)}: {ratios}", flush=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "command": command_line(),
@@ -216,6 +268,8 @@ def main() -> int:
         "model": shown(model),
         "plan": asdict(plan),
         "results": results,
+        "node_calls_per_request": per_request,
+        "tok_s_over_direct": ratios,
     }
     out.write_text(json.dumps(payload, indent=2, default=str) + "\n")
     print(f"wrote {shown(out)}")

@@ -5,6 +5,11 @@ A chain runs at the pace of its slowest stage. For each split this loads every s
 1) and reports the median time per step, the slowest stage, and the bound that puts on a
 2-stage chain's efficiency against one node: whole-model step / (stages x slowest stage).
 
+It also reports what each stage holds in memory, each in a fresh process after one full
+prefill batch and decode steps: its weights, KV cache, llama.cpp's compute buffer (as
+reserved) and logits buffer, and the process's resident bytes (VmRSS, VmHWM), against the
+target weights + KV + 25%.
+
     python -m bench.stage_cost [--stages 2] [--reps 3]   # gemma-3-270m; writes evidence/stage_cost.json
     python -m bench.stage_cost --quick                   # the tiny test model, under .bench/
 """
@@ -13,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import statistics
 import sys
 import time
@@ -24,15 +30,19 @@ import numpy as np
 from bench.common import WORK, bench_model, interleaved, shown, write_evidence
 from engine.backend import ContextConfig, Segment, StageBackend
 from engine.gguf_facts import read_facts
+from engine.llama_handles import logged_buffers
 from engine.messages import Output
+from engine.process_memory import resident_memory
 from neuron_tai.shard import stage_bounds, weight_balanced_bounds, write_stages
 
 ROWS = (1, 8)
+CONTEXT = ContextConfig(n_seq_max=8, n_ctx=4096, n_batch=512, n_ubatch=512, n_threads=1)
+MIB = 2**20
 
 
 def step_ms(path: Path, steps: int) -> dict[int, float]:
     """Median milliseconds of one decode step of `rows` sessions, for each of ROWS."""
-    backend = StageBackend(path, ContextConfig(n_seq_max=8, n_ctx=4096, n_batch=512, n_ubatch=512, n_threads=1))
+    backend = StageBackend(path, CONTEXT)
     try:
         info = backend.info
         out = Output.TOKEN if info.last else Output.HIDDEN
@@ -65,12 +75,68 @@ def step_ms(path: Path, steps: int) -> dict[int, float]:
         backend.close()
 
 
+def stage_memory(path: Path) -> dict[str, float]:
+    """MiB a stage holds after a full prefill batch and 8-row decode steps (run in a fresh process)."""
+    base = resident_memory()  # the interpreter and the libraries, before the model
+    backend = StageBackend(path, CONTEXT)
+    try:
+        info, n = backend.info, CONTEXT.n_batch
+        out = Output.TOKEN if info.last else Output.HIDDEN
+        seqs = [backend.open_sequence() for _ in range(8)]
+        rng = np.random.default_rng(7)
+
+        def segment(seq: int, pos: int, rows: int) -> Segment:
+            if info.first:
+                return Segment(seq, pos, tokens=(np.arange(rows, dtype=np.int32) + 100) % info.n_vocab, output=out)
+            return Segment(seq, pos, hidden=rng.standard_normal((rows, info.n_embd)).astype(np.float32), output=out)
+
+        backend.decode([segment(seqs[0], 0, n)])
+        for step in range(4):
+            backend.decode([segment(s, n + step if s == seqs[0] else step, 1) for s in seqs])
+        held = resident_memory()
+        weights = read_facts(path).weights_bytes
+        kv = sum(logged_buffers(backend.context_log, "KV").values())
+        parts = {
+            "weights": weights,
+            "kv": kv,
+            "compute": backend.compute_buffer_bytes,
+            "output_buffer": backend.output_buffer_bytes(n if not info.last else 1),
+            "rss": held.rss,
+            "rss_peak": held.peak,
+            "rss_anon": held.anon,
+            "rss_file": held.file,
+            "process_base": base.rss,
+            "target": 1.25 * (weights + kv),
+        }
+        return {key: round(value / MIB, 1) for key, value in parts.items()}
+    finally:
+        backend.close()
+
+
+def memory_table(files: dict[str, Path]) -> dict[str, dict[str, float]]:
+    """`stage_memory` of each shard, each in a process of its own (a process's peak is its own)."""
+    spawn = multiprocessing.get_context("spawn")
+    table = {}
+    for key, path in files.items():
+        with spawn.Pool(1) as pool:
+            table[key] = pool.apply(stage_memory, (path,))
+        m = table[key]
+        print(
+            f"memory {key:14} weights {m['weights']} KV {m['kv']} compute {m['compute']} "
+            f"output {m['output_buffer']} | RSS {m['rss']} peak {m['rss_peak']} (private {m['rss_anon']}, "
+            f"files {m['rss_file']}; {m['process_base']} before the model) target {m['target']} MiB",
+            flush=True,
+        )
+    return table
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--reps", type=int, default=3, help="repetitions, interleaved across the shards")
     parser.add_argument("--steps", type=int, default=16, help="timed decode steps per repetition and row count")
     parser.add_argument("--quick", action="store_true", help="the tiny test model: checks that it runs")
+    parser.add_argument("--memory-only", action="store_true", help="only what each stage holds in memory")
     args = parser.parse_args()
     model = bench_model(args.quick)
     n = read_facts(model).block_count
@@ -79,11 +145,15 @@ def main() -> int:
     for name, bounds in splits.items():
         for (a, b), path in zip(bounds, write_stages(model, WORK / "stage-cost" / name, bounds), strict=True):
             files[f"{name} {a}:{b}"] = path
+    if args.memory_only:
+        memory_table(files)
+        return 0
     runs: dict[str, list[dict[int, float]]] = {key: [] for key in files}
     for rep, key in interleaved(args.reps, list(files)):
         runs[key].append(step_ms(files[key], args.steps))
         print(f"rep {rep + 1}/{args.reps} {key:14} {runs[key][-1]}", flush=True)
     median = {key: {r: round(statistics.median(x[r] for x in got), 2) for r in ROWS} for key, got in runs.items()}
+    memory = memory_table(files)
     rows: list[dict[str, Any]] = []
     for name, bounds in splits.items():
         stages = {f"{a}:{b}": median[f"{name} {a}:{b}"] for a, b in bounds}
@@ -96,6 +166,7 @@ def main() -> int:
                 "step_ms": stages,
                 "slowest_ms": slowest,
                 "efficiency_bound": bound,
+                "memory_mib": {f"{a}:{b}": memory[f"{name} {a}:{b}"] for a, b in bounds},
             }
         )
         print(f"{name:8} {bounds}  slowest stage {slowest} ms  efficiency bound {bound}", flush=True)
@@ -106,6 +177,7 @@ def main() -> int:
         "steps": args.steps,
         "threads": 1,
         "whole_step_ms": median["whole"],
+        "memory_mib": memory,
         "splits": rows,
         "runs": {k: [{str(r): v for r, v in x.items()} for x in got] for k, got in runs.items()},
     }

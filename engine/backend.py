@@ -21,7 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 from engine.batch_buffer import BatchBuffer
-from engine.gguf_facts import KEY_LAYER_START, KEY_SOURCE_BLOCKS, KEY_SOURCE_MODEL
+from engine.gguf_facts import KEY_LAYER_END, KEY_LAYER_START, KEY_SOURCE_BLOCKS, KEY_SOURCE_MODEL
 from engine.hidden_capture import HiddenCapture
 from engine.kernels import KERNEL_CHOICES
 from engine.kv_compaction import Compaction, compact
@@ -158,22 +158,26 @@ class StageBackend:
         m = self.model
         start = int(m.meta(KEY_LAYER_START) or 0)
         source_blocks = int(m.meta(KEY_SOURCE_BLOCKS) or m.n_layer)
-        end = start + m.n_layer
+        end = int(m.meta(KEY_LAYER_END) or start + m.n_layer)  # a capture block after them is not computed
         self.info = StageInfo(
             first=start == 0,
             last=end == source_blocks,
             layers=(start, end),
             n_embd=m.n_embd,
             n_vocab=m.n_vocab,
-            n_layer=m.n_layer,
+            n_layer=end - start,
             n_swa=m.n_swa,
             model=m.meta(KEY_SOURCE_MODEL) or m.meta("general.name") or model_path.stem,
             arch=m.meta("general.architecture") or "",
         )
-        capture = None if self.info.last else HiddenCapture(m.n_layer, m.n_embd, config.n_batch)
+        capture = None if self.info.last else HiddenCapture(self.info.n_layer, m.n_embd, config.n_batch)
+        # With a capture block the last computed layer sees every row without outputs (neuron_tai/shard.py).
+        self.capture_all = capture is not None and m.n_layer > self.info.n_layer
         params = context_params(config)
         if capture is not None:
             params.cb_eval = capture.callback
+        if self.capture_all:
+            params.n_outputs_max = config.n_seq_max  # no output rows: no graph nor buffer for logits
         try:
             with capture_llama_log() as lines:
                 self.ctx = LlamaContext(m, params)
@@ -194,7 +198,8 @@ class StageBackend:
 
     def output_buffer_bytes(self, output_rows: int) -> int:
         """The logits buffer llama.cpp grows to when a batch asks for `output_rows` outputs."""
-        return 4 * self.info.n_vocab * max(output_rows, self.config.n_seq_max)
+        rows = 0 if self.capture_all else output_rows
+        return 4 * self.info.n_vocab * max(rows, self.config.n_seq_max)
 
     # -- sequences ---------------------------------------------------------------
 
@@ -359,7 +364,7 @@ class StageBackend:
         self._batch.clear()
         rows: list[range] = []
         for s in segments:
-            outputs = s.output in (Output.HIDDEN, Output.PAD, Output.TOKENS)
+            outputs = s.output is Output.TOKENS or (s.output in (Output.HIDDEN, Output.PAD) and not self.capture_all)
             r = self._batch.add(s.seq, s.pos, tokens=s.tokens, hidden=s.hidden, outputs=outputs)
             if s.output in (Output.LOGITS, Output.TOKEN):
                 self._batch.logits[r.stop - 1] = 1
@@ -370,7 +375,7 @@ class StageBackend:
         rc = self.ctx.decode(self._batch.view())
         self.decode_seconds += time.perf_counter() - started
         self.decode_calls += 1
-        expected = sum(s.n for s in segments if s.output in (Output.HIDDEN, Output.PAD))
+        expected = sum(s.n for s in segments if self.capture_all or s.output in (Output.HIDDEN, Output.PAD))
         if rc == 0 and self._capture is not None and (self._capture.overflow or self._capture.rows != expected):
             rc = -100  # the capture did not see the rows it must: treat as fatal, roll back
         if rc != 0:
@@ -390,7 +395,7 @@ class StageBackend:
                 hidden = self._capture.buffer[captured : captured + s.n].copy()
                 captured += s.n
                 results.append(SegmentResult(s.seq, hidden=hidden))
-            elif s.output is Output.PAD:
+            elif s.output is Output.PAD or (self.capture_all and s.output is Output.NONE):
                 captured += s.n if self._capture is not None else 0
                 results.append(SegmentResult(s.seq))
             elif s.output is Output.LOGITS:

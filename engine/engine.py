@@ -38,6 +38,7 @@ from engine.executor import Executor, IterationRecord
 from engine.gguf_facts import ModelFacts, read_facts
 from engine.kernels import INVARIANT_PAD_ROWS
 from engine.messages import Cleanup, Closed, CloseRequest, OpenRequest, Result, SessionEnd, StepRequest
+from engine.process_memory import resident_memory
 from engine.replies import Reply
 from engine.scheduler import INVARIANT_MAX_ROWS, Plan, Scheduler, SchedulerConfig
 from engine.session_ends import SessionEnds
@@ -101,7 +102,9 @@ class Engine:
                 f"need 1 <= max_queued_per_peer ({self.queued_per_peer}) <= {config.inbox_size}, the inbox"
             )
         output_rows = config.n_batch if (not self.info.last or config.batch_invariant) else config.max_sessions
-        scratch = backend.compute_buffer_bytes + backend.output_buffer_bytes(output_rows)
+        self.compute_bytes = backend.compute_buffer_bytes
+        self.output_buffer_bytes = backend.output_buffer_bytes(output_rows)
+        scratch = self.compute_bytes + self.output_buffer_bytes
         self.budgets = Budgets(budgets.weights_bytes, budgets.kv_bytes, scratch)
         self.telemetry = Telemetry()
         pad_seq = backend.open_sequence() if config.batch_invariant else None
@@ -395,7 +398,13 @@ class Engine:
             batches=batch_statistics(t, config.n_batch, kernel_path, pad_rows, s.config.micro_batches),
             kv=kv_statistics(s, t, used),
             memory=MemoryStatistics(
-                b.weights_bytes, b.kv_bytes, b.scratch_bytes, frozen(self.backend.model.weight_buffers)
+                b.weights_bytes,
+                b.kv_bytes,
+                b.scratch_bytes,
+                self.compute_bytes,
+                self.output_buffer_bytes,
+                frozen(self.backend.model.weight_buffers),
+                resident_memory(),
             ),
             quotas=quota_statistics(s, t, self.queued_per_peer),
             errors_total=frozen(t.errors),

@@ -26,7 +26,7 @@ _BLOCK = re.compile(r"^blk\.(\d+)\.")
 class ModelFacts:
     arch: str
     name: str
-    block_count: int  # layers in this file
+    block_count: int  # layers this file computes
     source_blocks: int  # layers in the whole source model
     start: int  # index of this file's first layer in the source model
     n_embd: int
@@ -35,6 +35,12 @@ class ModelFacts:
     swa: tuple[bool, ...]  # per layer: sliding-window attention
     n_swa: int
     weights_bytes: int  # bytes of the tensors this stage computes with
+    capture_blocks: int = 0  # blocks after them in the file (a non-last shard's capture block)
+
+    @property
+    def file_blocks(self) -> int:
+        """Blocks in the file as llama.cpp sees them (it allocates KV for each)."""
+        return self.block_count + self.capture_blocks
 
     @property
     def end(self) -> int:
@@ -80,7 +86,7 @@ def facts_from_header(header: Header, path: Path) -> ModelFacts:
 
 def _facts(header: Header, path: Path) -> ModelFacts:
     arch = str(header.get("general.architecture"))
-    n = int(header.get(f"{arch}.block_count"))
+    n = int(header.get(f"{arch}.block_count"))  # every block in the file; per-layer shapes are the file's
     n_embd = int(header.get(f"{arch}.embedding_length"))
     heads = _per_layer(header.get(f"{arch}.attention.head_count"), n)
     kv_heads = _per_layer(header.get(f"{arch}.attention.head_count_kv") or heads, n)
@@ -91,13 +97,14 @@ def _facts(header: Header, path: Path) -> ModelFacts:
     swa = swa_pattern(header, arch, n) or [False] * n
     start = int(header.get(KEY_LAYER_START) or 0)
     source_blocks = int(header.get(KEY_SOURCE_BLOCKS) or n)
-    first, last = start == 0, start + n == source_blocks
+    computed = int(header.get(KEY_LAYER_END) or start + n) - start  # a capture block is not computed
+    first, last = start == 0, start + computed == source_blocks
     names = {t.name for t in header.tensors}
     tied = "output.weight" not in names  # the vocabulary projection reuses token_embd
     used = 0
     for t in header.tensors:
-        if _BLOCK.match(t.name):
-            used += t.nbytes
+        if block := _BLOCK.match(t.name):
+            used += t.nbytes if int(block.group(1)) < computed else 0
         elif t.name == "token_embd.weight":
             used += t.nbytes if first or (last and tied) else 0
         elif t.name in ("output.weight", "output_norm.weight"):
@@ -107,7 +114,7 @@ def _facts(header: Header, path: Path) -> ModelFacts:
     return ModelFacts(
         arch=arch,
         name=str(header.get(KEY_SOURCE_MODEL) or header.get("general.name") or path.stem),
-        block_count=n,
+        block_count=computed,
         source_blocks=source_blocks,
         start=start,
         n_embd=n_embd,
@@ -116,4 +123,5 @@ def _facts(header: Header, path: Path) -> ModelFacts:
         swa=tuple(swa),
         n_swa=int(header.get(f"{arch}.attention.sliding_window") or 0) if any(swa) else 0,
         weights_bytes=used,
+        capture_blocks=n - computed,
     )

@@ -32,6 +32,8 @@ from engine.kernels import (
     path_of_buffers,
     placement,
 )
+from engine.process_memory import release_mapped_file
+from engine.vocab_text import detokenize, tokenize
 
 log = logging.getLogger("llama.cpp")
 
@@ -157,7 +159,28 @@ def weight_placement(path: Path, kernels: str = "auto") -> Placement:
     return placement(chosen, offered, tensors, cpu_features())
 
 
-class LlamaModel:
+class OwnedModel:
+    """A llama.cpp model pointer with one owner, and text to ids and back with its vocabulary."""
+
+    _ptr: lc.llama_model_p | None
+    vocab: lc.llama_vocab_p
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        return tokenize(self.vocab, text, add_special)
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return detokenize(self.vocab, tokens)
+
+    def close(self) -> None:
+        if self._ptr is not None:
+            lc.llama_model_free(self._ptr)
+            self._ptr = None
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class LlamaModel(OwnedModel):
     """A loaded (shard) model, memory-mapped, its weights on the kernel path `kernels` asks for.
 
     `weight_buffers` (bytes per llama.cpp buffer type) and `kernel_path` say where the
@@ -183,6 +206,7 @@ class LlamaModel:
             raise ValueError(f"{path}: llama.cpp could not load this model")
         self._ptr = ptr
         self._overrides = overrides  # llama.cpp may read the override table for the model's lifetime
+        release_mapped_file(path)  # loading read the whole file; keep resident only what decodes touch
         self.weight_buffers = logged_buffers(lines)
         self.kernel_path = path_of_buffers(self.weight_buffers)
         if self.kernel_path is KernelPath.AMX and self.placement.path is not KernelPath.AMX:
@@ -206,36 +230,25 @@ class LlamaModel:
         n = lc.llama_model_meta_val_str(self.ptr, key.encode(), buf, len(buf))
         return None if n < 0 else buf.value.decode("utf-8", "replace")
 
-    def tokenize(self, text: str, add_special: bool) -> list[int]:
-        raw = text.encode("utf-8")
-        cap = len(raw) + 8
-        while True:
-            out = (lc.llama_token * cap)()
-            n = lc.llama_tokenize(self.vocab, raw, len(raw), out, cap, add_special, False)
-            if n >= 0:
-                return list(out[:n])
-            cap = -n
-
-    def detokenize(self, tokens: list[int]) -> str:
-        arr = (lc.llama_token * max(1, len(tokens)))(*tokens)
-        cap = 16 * len(tokens) + 16
-        while True:
-            buf = ctypes.create_string_buffer(cap)
-            n = lc.llama_detokenize(self.vocab, arr, len(tokens), buf, cap, False, False)
-            if n >= 0:
-                return buf.raw[:n].decode("utf-8", "replace")
-            cap = -n
-
     def is_eog(self, token: int) -> bool:
         return bool(lc.llama_vocab_is_eog(self.vocab, token))
 
-    def close(self) -> None:
-        if self._ptr is not None:
-            lc.llama_model_free(self._ptr)
-            self._ptr = None
 
-    def __del__(self) -> None:
-        self.close()
+class Vocabulary(OwnedModel):
+    """A model file's vocabulary alone (no weights, no context): text to ids and back without a node."""
+
+    def __init__(self, path: Path) -> None:
+        self._ptr: lc.llama_model_p | None = None
+        ensure_backend()
+        params = lc.llama_model_default_params()
+        params.vocab_only = True
+        with capture_llama_log():
+            ptr = lc.llama_model_load_from_file(str(path).encode(), params)
+        if not ptr:
+            raise ValueError(f"{path}: llama.cpp could not read its vocabulary")
+        self._ptr = ptr
+        self.vocab = lc.llama_model_get_vocab(ptr)
+        self.n_vocab = int(lc.llama_vocab_n_tokens(self.vocab))
 
 
 class SeqState(enum.Enum):

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
+from engine.process_memory import ResidentMemory
 from engine.scheduler import Scheduler
 from engine.telemetry import Histogram, Telemetry
 
@@ -101,10 +102,15 @@ class KvStatistics:
 
 @dataclass(frozen=True, slots=True)
 class MemoryStatistics:
+    """What the stage reserved, part by part, and what the process actually holds."""
+
     weights_bytes: int
     kv_budget_bytes: int
-    scratch_bytes: int
+    scratch_bytes: int  # compute_bytes + output_buffer_bytes
+    compute_bytes: int  # llama.cpp's compute buffer, as reserved for the worst-case graph
+    output_buffer_bytes: int  # the logits buffer llama.cpp grows to
     weight_buffers: Mapping[str, int]  # llama.cpp buffer name -> bytes
+    resident: ResidentMemory  # the process: VmRSS, VmHWM, private and file-backed
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,6 +243,12 @@ def _throughput_and_memory(s: EngineStatistics) -> dict[str, Any]:
         "weights_bytes": m.weights_bytes,
         "kv_budget_bytes": m.kv_budget_bytes,
         "scratch_bytes": m.scratch_bytes,
+        "compute_bytes": m.compute_bytes,
+        "output_buffer_bytes": m.output_buffer_bytes,
+        "rss_bytes": m.resident.rss,
+        "rss_peak_bytes": m.resident.peak,
+        "rss_anon_bytes": m.resident.anon,
+        "rss_file_bytes": m.resident.file,
         "kernel_path": b.kernel_path,
         "pad_rows": b.pad_rows,
         "micro_batches": b.micro_batches,

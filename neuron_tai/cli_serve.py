@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
+from engine.gguf_facts import ModelFacts
 from neuron_tai.cli_errors import UsageError, bind_failure, check_endpoint_free, check_port_free
 from neuron_tai.cli_options import Option, build, from_file, options_of
 from neuron_tai.command_options import CurveOptions, GatewayOptions, ServeOptions
@@ -73,11 +74,17 @@ def stage_model(model: Path, layers: tuple[int, int] | None) -> Path:
         return model
     check_layer_range(facts.block_count, *layers)
     out = shard_cache_path(model, *layers)
-    if not out.exists() or out.stat().st_mtime < model.stat().st_mtime:
+    if not out.exists() or out.stat().st_mtime < model.stat().st_mtime or _before_capture_blocks(out, facts):
         out.parent.mkdir(parents=True, exist_ok=True)
         log.info("writing shard %s", out)
         write_shard(model, layers[0], layers[1], out)
     return out
+
+
+def _before_capture_blocks(shard: Path, model: ModelFacts) -> bool:
+    """A cached shard written before shards carried their capture block (neuron_tai/shard.py)."""
+    facts = read_model_layers(shard)
+    return facts.end < model.end and facts.capture_blocks == 0
 
 
 def server_curve(curve: CurveOptions, has_next: bool) -> ServerCurve | None:

@@ -38,11 +38,13 @@ from neuron_tai.access_log import ACCESS_LOG, Access, AccessLog, access_of
 from neuron_tai.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 from neuron_tai.client import Client, ClientClosed, Done, NodeError, open_client
 from neuron_tai.gateway_errors import error_response, never_fits, node_error, prompt_over_step, unreachable
+from neuron_tai.gateway_text import GatewayText, NodeText, gateway_text
 from neuron_tai.metrics import SnapshotCollector
 from neuron_tai.openai_api import (
     ApiError,
     GenerationParams,
     Shape,
+    TextEvents,
     Usage,
     bad,
     chat_messages,
@@ -202,6 +204,9 @@ class GatewayMetrics:
         self.tokens = Counter("neuron_tai_gateway_completion_tokens", "tokens generated", registry=self.registry)
         self.in_flight = Gauge("neuron_tai_gateway_generations_active", "generations running", registry=self.registry)
         self.node_up = Gauge("neuron_tai_gateway_node_up", "1 when the node answered stats", registry=self.registry)
+        self.node_calls = Counter(
+            "neuron_tai_gateway_node_calls", "protocol requests sent to the node, by op", ["op"], registry=self.registry
+        )
         self.node = SnapshotCollector(prefix="neuron_tai_node_")
         self.registry.register(self.node)
 
@@ -218,6 +223,7 @@ class Gateway:
         self.config = config
         self.template = template
         self.metrics = GatewayMetrics()
+        self.text: GatewayText = NodeText(client, self.count_call)  # `serve_gateway` may use the vocabulary
         self.active = 0
         self.unhealthy: str | None = None  # why /health last said 503, None while it says 200
 
@@ -266,9 +272,13 @@ class Gateway:
     def model_names(self) -> tuple[str, ...]:
         return self.config.model_names
 
+    def count_call(self, op: str) -> None:
+        self.metrics.node_calls.labels(op).inc()
+
     async def _node_stats(self) -> dict[str, Any] | None:
         """The node's `stats`, or None when it does not answer within STATS_TIMEOUT_S."""
         with trio.move_on_after(STATS_TIMEOUT_S), suppress(NodeError, ClientClosed, TimeoutError):
+            self.count_call("stats")
             return await self.client.stats(retry=False)
         return None
 
@@ -363,6 +373,7 @@ class Gateway:
         start: float,
     ) -> AsyncGenerator[bytes, None]:
         timed = True
+        chunks = TextEvents.of(shape)
         try:
             if shape.chat:
                 yield event(shape.chunk("", first=True))
@@ -377,7 +388,7 @@ class Gateway:
                     if timed:
                         self.metrics.ttft.observe(time.perf_counter() - start)
                         timed = False
-                    yield event(shape.chunk(piece))
+                    yield chunks.event(piece)
         except NodeError as exc:
             yield event(self._stream_failed(node_error(exc)).body())
         except (TimeoutError, ClientClosed) as exc:
@@ -392,7 +403,7 @@ class Gateway:
         try:
             if not chat:
                 prompt = completion_prompt(body)
-                ids = prompt if isinstance(prompt, list) else await self.client.tokenize(prompt)
+                ids = prompt if isinstance(prompt, list) else await self.text.tokenize(prompt)
                 return Prompt(ids, "prompt")
             messages = chat_messages(body)
             return Prompt(await self._chat_ids(messages), "messages", self.template.turn_stops(messages))
@@ -409,10 +420,10 @@ class Gateway:
             raise bad(str(exc), "messages") from None
         specials = self.template.specials
         if not specials.ids:
-            return await self.client.tokenize(text)
+            return await self.text.tokenize(text)
         ids: list[int] = []
         for part in specials.split(text):
-            ids += [part] if isinstance(part, int) else await self.client.tokenize(part, add_special=False)
+            ids += [part] if isinstance(part, int) else await self.text.tokenize(part, add_special=False)
         if specials.add_bos and specials.bos_id is not None and ids[:1] != [specials.bos_id]:
             ids.insert(0, specials.bos_id)
         return ids
@@ -424,6 +435,7 @@ class Gateway:
         session_id = uuid.uuid4().hex
         need = len(prompt.ids) + params.max_tokens
         try:
+            self.count_call("open")
             opened = await self.client.open(
                 session_id, need, sampling=params.sampling(), wait_ms=self.config.open_wait_ms
             )
@@ -453,11 +465,12 @@ class Gateway:
     ) -> AsyncGenerator[str | Finish, None]:
         """Text as it becomes safe to show (stop strings held back), then one `Finish`.
         The session is closed on the way out, whatever the way."""
-        text = TextStream(self.client.detokenize)
+        text = TextStream(self.text.detokenize)
         stop = StopText(params.stop + prompt.stops)
         made = 0  # tokens generated, counted in `usage`
         reason = "length"
         try:
+            self.count_call("generate")
             replies = self.client.generate_tokens(
                 opened.id, 0, prompt.ids, params.max_tokens, ignore_eog=params.ignore_eos
             )
@@ -489,7 +502,9 @@ class Gateway:
         with trio.CancelScope(shield=True), trio.move_on_after(self.config.timeout_s):
             with suppress(NodeError, ClientClosed, TimeoutError):
                 if not session.finished:
+                    self.count_call("cancel")
                     await self.client.cancel(session.id)
+            self.count_call("close")
             await self.client.close_on_exit(session.id)
 
 
@@ -523,7 +538,9 @@ async def serve_gateway(
         async with open_client(
             config.node, timeout_s=config.timeout_s, retries=0, server_key=config.server_key, key=config.key
         ) as client:
-            asgi = AccessLog(Gateway(client, config, template).app())
+            gateway = Gateway(client, config, template)
+            gateway.text = await gateway_text(config.model, client, gateway.count_call)
+            asgi = AccessLog(gateway.app())
             app = hypercorn.utils.wrap_app(asgi, hc.wsgi_max_body_size, "asgi")  # type: ignore[arg-type]
             trigger = shutdown.wait if shutdown is not None else None
 

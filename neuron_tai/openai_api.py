@@ -255,3 +255,25 @@ def event(payload: dict[str, Any] | str) -> bytes:
     """One server-sent event: `data: {...}` and a blank line."""
     data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
     return f"data: {data}\n\n".encode()
+
+
+@dataclass(frozen=True, slots=True)
+class TextEvents:
+    """A response's streamed text chunks as server-sent events: everything but the text is encoded
+    once per response, so a token costs one string encoding, not a dict and a whole JSON document."""
+
+    head: bytes
+    tail: bytes
+
+    MARKER = "\x00"  # stands for the text; no model name or id holds it
+
+    @staticmethod
+    def of(shape: Shape) -> TextEvents:
+        whole = event(shape.chunk(TextEvents.MARKER))
+        head, found, tail = whole.partition(json.dumps(TextEvents.MARKER).encode())
+        assert found and json.dumps(TextEvents.MARKER).encode() not in tail, "the marker must appear once"
+        return TextEvents(head, tail)
+
+    def event(self, text: str) -> bytes:
+        """What `event(shape.chunk(text))` gives, for a text that is not empty."""
+        return self.head + json.dumps(text).encode() + self.tail

@@ -7,6 +7,15 @@ Per-layer metadata arrays are sliced, and a sliding-window pattern that llama.cp
 would otherwise derive from the (renumbered) layer index is written explicitly.
 Metadata the shard does not change is copied byte for byte, and tensor data is
 streamed from the source file in chunks: never the whole model in memory.
+
+A shard that does not end the model also carries block b, its capture block: llama.cpp
+drops the rows that are not outputs inside a model's last block, so with block b last the
+stage's real last layer (b-1) computes every row with no row marked an output, and the
+stage captures its output there (engine/hidden_capture.py) and stops. Marking every row an
+output instead makes llama.cpp keep a vocabulary-wide logits row per row (1 MiB a row for
+a 262k vocabulary). The capture block is never computed; it costs its KV cache and, where
+its weights are repacked, their copy. `neuron_tai.layer_end` says where the computed
+layers end.
 """
 
 from __future__ import annotations
@@ -91,8 +100,9 @@ def write_shard(src: Path, start: int, end: int, out: Path, header: Header | Non
         raise ShardError(f"{src}: {why}")
     layers = _facts(header, src)
     check_layer_range(layers.block_count, start, end)
-    entries = _shard_entries(header, arch, layers, start, end)
-    kept = _shard_tensors(header, start, end)
+    capture = 1 if end < layers.file_blocks else 0  # a shard that does not end the model: block `end` too
+    entries = _shard_entries(header, arch, layers, start, end, capture)
+    kept = _shard_tensors(header, start, end + capture)
     tmp = out.with_name(out.name + ".part")
     try:
         with src.open("rb") as fin, tmp.open("wb") as fout:
@@ -104,20 +114,21 @@ def write_shard(src: Path, start: int, end: int, out: Path, header: Header | Non
     return out
 
 
-def _overrides(header: Header, arch: str, layers: ModelFacts, start: int, end: int) -> dict[str, bytes]:
-    """The metadata a shard of layers [start, end) states differently from its source."""
+def _overrides(header: Header, arch: str, layers: ModelFacts, start: int, end: int, capture: int) -> dict[str, bytes]:
+    """The metadata a shard of layers [start, end) (and `capture` blocks after them) states differently."""
+    stop = end + capture  # the file's blocks
     overrides = {
-        f"{arch}.block_count": encode_entry(f"{arch}.block_count", end - start, _UINT32),
+        f"{arch}.block_count": encode_entry(f"{arch}.block_count", stop - start, _UINT32),
         KEY_SOURCE_MODEL: encode_entry(KEY_SOURCE_MODEL, layers.name, STRING),
         KEY_SOURCE_BLOCKS: encode_entry(KEY_SOURCE_BLOCKS, layers.source_blocks, _UINT32),
         KEY_LAYER_START: encode_entry(KEY_LAYER_START, layers.start + start, _UINT32),
         KEY_LAYER_END: encode_entry(KEY_LAYER_END, layers.start + end, _UINT32),
     }
-    swa = swa_pattern(header, arch, layers.block_count)
+    swa = swa_pattern(header, arch, layers.file_blocks)
     if swa is not None:
         key = f"{arch}.attention.sliding_window_pattern"
-        overrides[key] = encode_entry(key, swa[start:end], ARRAY, _BOOL)
-        if not any(swa[start:end]):
+        overrides[key] = encode_entry(key, swa[start:stop], ARRAY, _BOOL)
+        if not any(swa[start:stop]):
             # Only full-attention layers here: llama.cpp aborts building a sliding-window cache
             # with no sliding layer in it, and without a window these layers compute the same.
             window = f"{arch}.attention.sliding_window"
@@ -125,9 +136,9 @@ def _overrides(header: Header, arch: str, layers: ModelFacts, start: int, end: i
     return overrides
 
 
-def _shard_entries(header: Header, arch: str, layers: ModelFacts, start: int, end: int) -> list[bytes]:
+def _shard_entries(header: Header, arch: str, layers: ModelFacts, start: int, end: int, capture: int) -> list[bytes]:
     """The shard's metadata entries: the source's, per-layer arrays cut to the range, overrides applied."""
-    overrides = _overrides(header, arch, layers, start, end)
+    overrides = _overrides(header, arch, layers, start, end, capture)
     entries: list[bytes] = []
     for key, entry in header.entries.items():
         if key in overrides:
@@ -136,9 +147,9 @@ def _shard_entries(header: Header, arch: str, layers: ModelFacts, start: int, en
             entry.vtype == ARRAY
             and entry.elem_type not in (None, STRING)
             and key.startswith(f"{arch}.")
-            and entry.count == layers.block_count
+            and entry.count == layers.file_blocks
         ):
-            entries.append(encode_entry(key, list(entry.value)[start:end], ARRAY, entry.elem_type))
+            entries.append(encode_entry(key, list(entry.value)[start : end + capture], ARRAY, entry.elem_type))
         else:
             entries.append(entry.raw)
     return entries + list(overrides.values())
@@ -222,7 +233,9 @@ def layer_weights(header: Header) -> tuple[list[int], int]:
             output = t.nbytes
         elif t.name == "token_embd.weight":
             embeddings = t.nbytes
-    return [layers.get(i, 0) for i in range(max(layers, default=-1) + 1)], output or embeddings
+    end, start = header.get(KEY_LAYER_END), header.get(KEY_LAYER_START)
+    computed = int(end) - int(start or 0) if end is not None else max(layers, default=-1) + 1  # not a capture block
+    return [layers.get(i, 0) for i in range(computed)], output or embeddings
 
 
 def balanced_bounds(layer_bytes: Sequence[int], projection_bytes: int, stages: int) -> list[tuple[int, int]]:

@@ -125,7 +125,10 @@ def _errors(stats: Mapping[str, Any]) -> str:
 def _memory(stats: Mapping[str, Any]) -> str:
     return (
         f"weights {mib(stats.get('weights_bytes'))}, KV {mib(stats.get('kv_budget_bytes'))}, "
-        f"compute {mib(stats.get('scratch_bytes'))}; replies queued {mib(stats.get('reply_bytes'))} "
+        f"compute {mib(stats.get('compute_bytes', stats.get('scratch_bytes')))}, "
+        f"output buffer {mib(stats.get('output_buffer_bytes'))}; resident {mib(stats.get('rss_bytes'))} "
+        f"(private {mib(stats.get('rss_anon_bytes'))}, mapped files {mib(stats.get('rss_file_bytes'))}; "
+        f"peak {mib(stats.get('rss_peak_bytes'))}); replies queued {mib(stats.get('reply_bytes'))} "
         f"(peak {mib(stats.get('reply_bytes_peak'))}), requests held {mib(stats.get('request_bytes'))} "
         f"(peak {mib(stats.get('request_bytes_peak'))})"
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -17,8 +18,10 @@ from engine.backend import (
     Segment,
     StageBackend,
 )
+from engine.gguf_header import read_header
 from engine.llama_handles import LlamaModel, capture_llama_log
 from engine.messages import Output
+from engine.process_memory import release_mapped_file
 from neuron_tai.shard import write_stages
 from protocol.errors import ErrorCode, Fault
 from protocol.sampling import Sampling
@@ -365,3 +368,101 @@ def test_greedy_sampling_picks_what_llama_cpps_greedy_sampler_picks(
     finally:
         lc.llama_sampler_free(reference)
     assert ours == theirs and len(set(ours)) > 1
+
+
+def _resident_bytes_of(path: Path) -> int:
+    """Bytes of `path` this process holds resident through its mappings (/proc/self/smaps)."""
+    target, total, inside = str(path.resolve()), 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if fields and "-" in fields[0] and not fields[0].endswith(":"):
+            inside = fields[-1] == target
+        elif inside and fields[0] == "Rss:":
+            total += int(fields[1]) * 1024
+    return total
+
+
+def test_released_file_pages_come_back_on_use_with_identical_outputs(
+    tiny_model: Path, open_backend: OpenBackend, tmp_path: Path
+) -> None:
+    """A stage keeps resident only the weights it computes with: loading reads the whole file, then
+    its pages are dropped, and they come back from the file on the next touch, changing nothing."""
+    copy = tmp_path / "copy.gguf"
+    copy.write_bytes(tiny_model.read_bytes())
+    kept, dropped = open_backend(tiny_model), open_backend(copy)
+    assert _resident_bytes_of(copy) == 0  # nothing touched since the load released it
+    first = np.array(prompts(3, [9])["s0"], np.int32)
+    follow = np.array(prompts(4, [5])["s0"], np.int32)
+    for backend in (kept, dropped):
+        seq = backend.open_sequence()
+        backend.decode([Segment(seq, 0, tokens=first, output=Output.LOGITS)])
+    assert _resident_bytes_of(copy) > 0
+    assert release_mapped_file(copy) > 0
+    assert _resident_bytes_of(copy) == 0 and _resident_bytes_of(tiny_model) > 0
+    outs = []
+    for backend in (kept, dropped):
+        seq = backend.open_sequence()
+        outs.append(backend.decode([Segment(seq, 0, tokens=follow, output=Output.LOGITS)])[0].logits)
+    assert outs[0] is not None and outs[1] is not None
+    assert np.array_equal(outs[0], outs[1])
+    assert _resident_bytes_of(copy) > 0
+
+
+def _resident_pages(path: Path, offset: int, nbytes: int) -> int:
+    """How many pages of `path`'s bytes [offset, offset + nbytes) this process's mapping holds
+    resident (the present bit of /proc/self/pagemap, readable for one's own pages)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    target = str(path.resolve())
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) < 6 or fields[5] != target:
+            continue
+        start, end = (int(x, 16) for x in fields[0].split("-"))
+        address = start + offset - int(fields[2], 16)  # the mapping may begin past the file's start
+        if start <= address and address + nbytes <= end:
+            first, last = address // page, (address + nbytes - 1) // page
+            with open("/proc/self/pagemap", "rb") as pagemap:
+                pagemap.seek(first * 8)
+                entries = pagemap.read(8 * (last - first + 1))
+            return sum(int.from_bytes(entries[i : i + 8], "little") >> 63 for i in range(0, len(entries), 8))
+    raise AssertionError(f"{path} is not mapped")
+
+
+def test_a_non_last_stage_holds_no_page_of_the_output_head(tmp_path: Path, open_backend: OpenBackend) -> None:
+    """It never runs the vocabulary projection: after loading and decoding it holds at most the
+    few pages of the `output` tensor the kernel maps around neighbouring ones it touches
+    (fault-around); the last stage, which runs it, holds every page."""
+    model = write_tiny_model(tmp_path / "wide-vocab.gguf", TinySpec(n_vocab=4096))  # a 1 MiB output head
+    counts, pages = [], 0
+    for path in write_stages(model, tmp_path / "stages", [(0, 2), (2, 4)]):
+        backend = open_backend(path)
+        seq = backend.open_sequence()
+        if backend.info.first:
+            tokens = np.array(prompts(1, [20])["s0"], np.int32)
+            backend.decode([Segment(seq, 0, tokens=tokens, output=Output.HIDDEN)])
+        else:
+            hidden = np.random.default_rng(0).standard_normal((20, backend.info.n_embd)).astype(np.float32)
+            backend.decode([Segment(seq, 0, hidden=hidden, output=Output.LOGITS)])
+        header = read_header(path)
+        head = next(t for t in header.tensors if t.name == "output.weight")
+        pages = -(-head.nbytes // os.sysconf("SC_PAGE_SIZE"))
+        counts.append(_resident_pages(path, header.data_offset + head.offset, head.nbytes))
+    assert counts[0] < pages // 4 and counts[1] >= pages - 1  # (its ends may share a page with a neighbour)
+
+
+def test_a_non_last_stage_reserves_no_vocabulary_head(tmp_path: Path, open_backend: OpenBackend) -> None:
+    """Its capture block lets it ask llama.cpp for no output row: its compute buffer has no room for
+    logits and its logits buffer never grows, where the last stage's (same layers) holds a logits
+    row for every row of a ubatch."""
+    # a vocabulary wide enough that logits outweigh the attention scores in llama.cpp's compute buffer
+    model = write_tiny_model(tmp_path / "wide-vocab.gguf", TinySpec(n_vocab=32768))
+    config = replace(CONFIG, n_batch=64, n_ubatch=64)
+    head, tail = (open_backend(p, config) for p in write_stages(model, tmp_path / "s", [(0, 2), (2, 4)]))
+    assert head.capture_all and not tail.capture_all
+    logits = 4 * head.info.n_vocab * config.n_ubatch
+    assert head.compute_buffer_bytes < logits <= tail.compute_buffer_bytes  # no room for one logits tensor
+    assert head.output_buffer_bytes(config.n_batch) == 4 * head.info.n_vocab * config.n_seq_max
+    seq = head.open_sequence()
+    tokens = np.array(prompts(2, [config.n_batch])["s0"], np.int32) % head.info.n_vocab
+    hidden = head.decode([Segment(seq, 0, tokens=tokens, output=Output.HIDDEN)])[0].hidden
+    assert hidden is not None and hidden.shape == (config.n_batch, head.info.n_embd)  # every row, none an output

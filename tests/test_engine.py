@@ -476,12 +476,27 @@ async def test_statistics_are_frozen_and_stats_is_their_flat_form(tiny_model: Pa
         with pytest.raises(TypeError):
             statistics.errors_total["busy"] = 1  # type: ignore[index]
 
-        def steady(stats: dict[str, Any]) -> dict[str, Any]:  # rates move with the clock between two reads
-            return {k: v for k, v in stats.items() if not k.endswith("_per_s")}
+        def steady(stats: dict[str, Any]) -> dict[str, Any]:  # rates and resident bytes move between two reads
+            return {k: v for k, v in stats.items() if not k.endswith("_per_s") and not k.startswith("rss_")}
 
         assert steady(engine.stats()) == steady(wire_stats(statistics))
         assert statistics.batches.decode_tokens_total == engine.stats()["decode_tokens_total"] == 3
         assert statistics.sessions.admissions_total == 1 and statistics.queue.cleanups_total == 1
+
+
+async def test_stats_report_memory_part_by_part_and_what_the_process_holds(
+    tiny_model: Path, tiny_shards2: list[Path]
+) -> None:
+    for path in (tiny_model, tiny_shards2[0]):
+        async with open_engine(config(path)) as engine:
+            stats = engine.stats()
+            info, ctx = engine.info, engine.config.context()
+        assert stats["scratch_bytes"] == stats["compute_bytes"] + stats["output_buffer_bytes"] > 0
+        # llama.cpp keeps a logits row per output row; a non-last stage asks for none (its capture block)
+        rows = ctx.n_seq_max if not info.last else max(engine.config.max_sessions, ctx.n_seq_max)
+        assert stats["output_buffer_bytes"] == 4 * info.n_vocab * rows
+        assert 0 < stats["rss_anon_bytes"] < stats["rss_bytes"] <= stats["rss_peak_bytes"]
+        assert stats["rss_anon_bytes"] + stats["rss_file_bytes"] <= stats["rss_bytes"]
 
 
 async def test_a_gone_owner_s_waiting_open_is_answered(tiny_model: Path) -> None:

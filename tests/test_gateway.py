@@ -320,3 +320,43 @@ async def test_metrics_count_requests_and_carry_the_nodes_stats(node: str) -> No
     assert "neuron_tai_gateway_request_seconds_count" in text
     assert "neuron_tai_node_sessions_max 4.0" in text
     assert "neuron_tai_gateway_node_up 1.0" in text
+
+
+def _node_calls(metrics: str) -> dict[str, float]:
+    calls = {}
+    for line in metrics.splitlines():
+        if line.startswith("neuron_tai_gateway_node_calls_total{"):
+            op = line.split('op="', 1)[1].split('"', 1)[0]
+            calls[op] = float(line.rsplit(" ", 1)[1])
+    return calls
+
+
+async def _streamed_texts(base: str, prompts: list[str], max_tokens: int) -> tuple[list[str], dict[str, float]]:
+    texts = []
+    async with httpx.AsyncClient(base_url=base) as http:
+        for prompt in prompts:
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+            async with http.stream("POST", "/completions", json=body) as reply:
+                assert reply.status_code == 200
+                events = [line[6:] async for line in reply.aiter_lines() if line.startswith("data: {")]
+            texts.append("".join(json.loads(e)["choices"][0]["text"] for e in events))
+        metrics = (await http.get(base.removesuffix("/v1") + "/metrics")).text
+    return texts, _node_calls(metrics)
+
+
+async def test_with_the_model_file_a_stream_costs_the_node_one_open_generate_and_close(
+    node: str, tiny_model: Path
+) -> None:
+    prompts = [PROMPT, "Ünïcode and numbers 1234", "a"]
+    by_node, node_calls = await _streamed_texts_via(node, None, prompts)
+    local, local_calls = await _streamed_texts_via(node, tiny_model, prompts)
+    assert local == by_node and all(local)
+    assert node_calls["detokenize"] >= 3 * 2  # without the vocabulary: a round trip per reply
+    n = len(prompts)
+    # per request one open, one generate, one close; besides: the start's vocabulary check and the /metrics scrape
+    assert local_calls == {"open": n, "generate": n, "close": n, "tokenize": 1, "detokenize": 1, "stats": 1}
+
+
+async def _streamed_texts_via(node: str, model: Path | None, prompts: list[str]) -> tuple[list[str], dict[str, float]]:
+    async with gateway(node, model=model) as base:
+        return await _streamed_texts(base, prompts, 12)

@@ -46,18 +46,22 @@ def test_shard_keeps_range_renumbered_with_source_metadata(
     reader = open_reader(out)
     names = {t.name for t in reader.tensors}
     assert {"token_embd.weight", "output_norm.weight", "output.weight"} <= names
-    assert {n.split(".")[1] for n in names if n.startswith("blk.")} == {"0", "1"}
+    assert {n.split(".")[1] for n in names if n.startswith("blk.")} == {"0", "1", "2"}  # 2: the capture block
     src = {t.name: t for t in open_reader(tiny_model).tensors}
     dst = {t.name: t for t in reader.tensors}
     assert np.array_equal(dst["blk.0.attn_q.weight"].data, src["blk.1.attn_q.weight"].data)
     assert np.array_equal(dst["blk.1.ffn_down.weight"].data, src["blk.2.ffn_down.weight"].data)
     assert all(dst[n].tensor_type == src[n].tensor_type for n in ("token_embd.weight", "output.weight"))
     assert dst["blk.1.attn_v.weight"].tensor_type == src["blk.2.attn_v.weight"].tensor_type
-    assert field(out, "llama.block_count") == 2
+    assert np.array_equal(dst["blk.2.ffn_down.weight"].data, src["blk.3.ffn_down.weight"].data)
+    assert field(out, "llama.block_count") == 3
     assert (field(out, KEY_LAYER_START), field(out, KEY_LAYER_END), field(out, KEY_SOURCE_BLOCKS)) == (1, 3, 4)
     assert field(out, "tokenizer.ggml.tokens") == field(tiny_model, "tokenizer.ggml.tokens")
     layers = read_model_layers(out)
     assert (layers.start, layers.end, layers.source_blocks, layers.name) == (1, 3, 4, "tiny-llama")
+    assert (layers.block_count, layers.capture_blocks, len(layers.k_widths)) == (2, 1, 3)
+    last = read_model_layers(write_shard(tiny_model, 3, 4, tmp_path / "last.gguf"))
+    assert (last.block_count, last.capture_blocks) == (1, 0)  # the model's end: nothing to capture
 
 
 def test_shard_of_a_shard_reports_source_positions(tiny_model: Path, tmp_path: Path) -> None:
@@ -92,7 +96,7 @@ def test_per_layer_arrays_are_sliced(tmp_path: Path) -> None:
     w.write_tensors_to_file()
     w.close()
     out = write_shard(tmp_path / "arr.gguf", 1, 3, tmp_path / "arr-shard.gguf")
-    assert field(out, "llama.attention.head_count_kv") == [2, 1]
+    assert field(out, "llama.attention.head_count_kv") == [2, 1, 1]  # and the capture block's
 
 
 @pytest.mark.parametrize(("a", "b"), [(0, 0), (3, 2), (-1, 2), (0, 5)])
