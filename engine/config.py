@@ -166,7 +166,7 @@ class EngineConfig:
         },
     )
     # While sessions decode, an iteration's prefill rows may stretch the gap between their tokens
-    # to a target: `itl_target_ms`, else 1 + `prefill_share` measured decode steps. The budget
+    # to a target: `itl_target_ms`, else 1 + `prefill_share` undisturbed gaps. The budget
     # adapts to the recent gaps' p99 and to how many sessions wait to prefill (engine/pacing.py).
     prefill_share: float = field(
         default=1.0,
@@ -183,11 +183,11 @@ class EngineConfig:
         metadata={
             "help": "the inter-token gap (p99, ms) that prefill beside decodes may stretch decoding sessions "
             "to; prefill grows while the recent p99 is under it and shrinks when over (0: from the "
-            "measured decode step)",
+            "measured undisturbed gaps)",
             "group": "tuning",
             "min": 0,
             "zero_is_none": True,
-            "shown": "1 + --prefill-share decode steps",
+            "shown": "1 + --prefill-share undisturbed gaps (decode-only calls)",
         },
     )
     # Session groups run in calls of their own, each answered as soon as it is computed: at a

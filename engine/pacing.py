@@ -6,8 +6,10 @@ prefill. The policy (README, "How a node schedules"):
 
 - **A target gap.** While sessions decode, every call is a gap between two of their
   tokens. Prefill rows beside the decodes may stretch that gap to the target:
-  `itl_target_ms`, or by default `1 + prefill_share` decode steps (2 with the default
-  share: the promise that prefill at most doubles an undisturbed gap).
+  `itl_target_ms`, or by default `1 + prefill_share` undisturbed gaps (2 with the
+  default share: the promise that prefill at most doubles an undisturbed gap). An
+  undisturbed gap is a decode-only call: the 90th percentile of the recent ones, so the
+  target follows the jitter a machine has anyway, not only the mean decode step.
 - **Sized from measured costs, corrected by what the gaps do.** Rows are the target's room
   over a decode step divided by a prefill token's cost, times a gain that grows while
   the recent gaps' p99 stays under the target and shrinks when it does not. The cost
@@ -50,6 +52,7 @@ class PrefillPace:
     since_decode_sample: int = 0  # calls since a decode-only one was measured
     gain: float = 1.0  # on the target's room: grows while the gaps' p99 is under the target
     gaps: deque[float] = field(default_factory=lambda: deque(maxlen=PrefillPace.WINDOW))
+    quiet: deque[float] = field(default_factory=lambda: deque(maxlen=PrefillPace.QUIET_WINDOW))  # decode-only
     target_ms: float | None = None  # the target the last budget was sized for
     boosted: bool = False  # the last budget was raised for sessions waiting to prefill
     budget_rows: int = 0  # the last budget: a call that carried fewer rows says nothing of more
@@ -63,6 +66,10 @@ class PrefillPace:
     REMEASURE_EVERY = 32  # a decode step's cost drifts with its rows and the context length
     WINDOW = 128  # recent gaps whose p99 the gain follows (one outlier in 128 is within p99)
     QUANTILE = 0.99
+    # The undisturbed gap: the 90th percentile of recent decode-only calls (robust to one stall,
+    # unlike a p99 of the few such calls busy traffic leaves).
+    QUIET_WINDOW = 64
+    QUIET_QUANTILE = 0.9
     GROW, SHRINK = 1.1, 0.7  # the gain after a mixed call, p99 under / over the target
     GROW_BELOW = 0.9  # grow only while the p99 is under this share of the target
     MIN_GAIN, MAX_GAIN = 0.25, 4.0
@@ -74,6 +81,7 @@ class PrefillPace:
         if prefill_rows == 0:
             if decode_rows:
                 self.decode_ms = _blend(self.decode_ms, ms)
+                self.quiet.append(ms)
                 self.since_decode_sample = 0
             return
         self.since_decode_sample += 1
@@ -88,24 +96,18 @@ class PrefillPace:
         """Shrink while the gaps' p99 is over the target; grow while it is clearly under, and
         only after a call that used its whole budget (a prompt's short tail is no evidence
         that more fits). Growing by GROW from under GROW_BELOW of the target lands under it."""
-        p99 = self.recent_p99_ms()
+        p99 = _quantile(self.gaps, self.QUANTILE)
         if p99 > target_ms:
             self.gain = max(self.gain * self.SHRINK, self.MIN_GAIN)
         elif filled and p99 < self.GROW_BELOW * target_ms:
             self.gain = min(self.gain * self.GROW, self.MAX_GAIN)
 
-    def recent_p99_ms(self) -> float:
-        """The p99 (nearest rank) of the recent gaps; 0 before any."""
-        if not self.gaps:
-            return 0.0
-        ordered = sorted(self.gaps)
-        return ordered[max(0, math.ceil(self.QUANTILE * len(ordered)) - 1)]
-
     def target(self, share: float, itl_target_ms: float | None) -> float | None:
-        """The gap prefill may stretch a decode step to: the operator's, else `1 + share` steps."""
+        """The gap prefill may stretch a decode step to: the operator's, else `1 + share`
+        undisturbed gaps (decode-only calls)."""
         if itl_target_ms is not None:
             return itl_target_ms
-        return None if self.decode_ms is None else (1.0 + share) * self.decode_ms
+        return (1.0 + share) * _quantile(self.quiet, self.QUIET_QUANTILE) if self.quiet else None
 
     def prefill_budget(self, share: float, itl_target_ms: float | None = None, demand: Demand | None = None) -> int:
         """Prefill rows for an iteration that also decodes (the scheduler caps them further).
@@ -129,6 +131,14 @@ class PrefillPace:
             self.boosted = True
         self.sized = True
         return max(self.MIN_CHUNK, int(room / max(self.prefill_token_ms, 1e-6)))
+
+
+def _quantile(values: deque[float], q: float) -> float:
+    """Nearest rank; 0 of none."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
 def _blend(old: float | None, new: float) -> float:

@@ -12,6 +12,13 @@ from engine.pacing import Demand, PrefillPace
 ONE_DECODER = Demand(decoding=1, prefilling=1)
 
 
+def measured(decode_ms: float, prefill_token_ms: float) -> PrefillPace:
+    """A pace that has seen one decode-only call of `decode_ms` and knows a prompt token's cost."""
+    pace = PrefillPace(prefill_token_ms=prefill_token_ms)
+    pace.observe(decode_rows=4, prefill_rows=0, ms=decode_ms)
+    return pace
+
+
 def test_first_asks_for_a_decode_only_iteration_then_probes_then_sizes_from_costs() -> None:
     pace = PrefillPace()
     assert pace.prefill_budget(1.0) == 0  # no decode cost yet: measure one
@@ -26,7 +33,7 @@ def test_first_asks_for_a_decode_only_iteration_then_probes_then_sizes_from_cost
 
 
 def test_an_operator_target_sets_the_room_whatever_the_share() -> None:
-    pace = PrefillPace(decode_ms=40.0, prefill_token_ms=0.5)
+    pace = measured(40.0, 0.5)
     assert pace.prefill_budget(1.0, itl_target_ms=100.0, demand=ONE_DECODER) == 120  # (100 - 40) / 0.5
     assert pace.prefill_budget(9.0, itl_target_ms=100.0, demand=ONE_DECODER) == 120
     assert pace.prefill_budget(1.0, itl_target_ms=30.0, demand=ONE_DECODER) == PrefillPace.MIN_CHUNK  # no room
@@ -59,12 +66,12 @@ def test_a_stale_decode_estimate_is_measured_again() -> None:
 
 
 def test_gaps_over_the_target_shrink_the_gain_and_full_calls_well_under_it_grow_it() -> None:
-    pace = PrefillPace(decode_ms=40.0, prefill_token_ms=1.0)
+    pace = measured(40.0, 1.0)
     rows = pace.prefill_budget(1.0, demand=ONE_DECODER)  # target 80 ms: 40 rows
     assert rows == 40
     pace.observe(decode_rows=4, prefill_rows=rows, ms=120.0)  # a gap of 120 ms: over
     assert pace.gain == PrefillPace.SHRINK
-    pace = PrefillPace(decode_ms=40.0, prefill_token_ms=1.0)
+    pace = measured(40.0, 1.0)
     rows = pace.prefill_budget(1.0, demand=ONE_DECODER)
     pace.observe(decode_rows=4, prefill_rows=rows - 1, ms=50.0)  # under, but the prompt ran out: no evidence
     assert pace.gain == 1.0
@@ -75,13 +82,21 @@ def test_gaps_over_the_target_shrink_the_gain_and_full_calls_well_under_it_grow_
 
 
 def test_sessions_waiting_to_prefill_share_the_iteration_with_those_decoding() -> None:
-    pace = PrefillPace(decode_ms=40.0, prefill_token_ms=1.0)
+    pace = measured(40.0, 1.0)
     alone = pace.prefill_budget(1.0, demand=Demand(decoding=2, prefilling=2))
     assert not pace.boosted
     wave = pace.prefill_budget(1.0, demand=Demand(decoding=2, prefilling=6))
     assert pace.boosted and wave == 3 * alone
     pace.observe(decode_rows=2, prefill_rows=wave, ms=160.0)  # a boosted gap: not what the target holds
-    assert pace.gain == 1.0 and not pace.gaps
+    assert pace.gain == 1.0 and list(pace.gaps) == [40.0]  # only the decode-only call
+
+
+def test_the_default_target_follows_the_undisturbed_gaps_jitter_not_one_stall() -> None:
+    pace = measured(40.0, 1.0)
+    for ms in [40.0] * 8 + [48.0, 2000.0]:  # a little jitter, and one stall of the machine
+        pace.observe(decode_rows=4, prefill_rows=0, ms=ms)
+    pace.prefill_budget(1.0, demand=ONE_DECODER)
+    assert pace.target_ms == 2 * 48.0  # twice the 90th percentile of the decode-only calls
 
 
 calls = st.tuples(st.integers(0, 16), st.integers(0, 512), st.floats(0.1, 1000.0))
