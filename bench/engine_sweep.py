@@ -218,17 +218,34 @@ async def invariant(args: argparse.Namespace, cfg: EngineConfig) -> dict[str, An
     }
 
 
+def interference_only(cfg: EngineConfig, steps: int) -> int:
+    """A short run: the interference figure alone, for tuning the prefill budget."""
+
+    async def measure() -> dict[str, Any]:
+        async with open_engine(cfg) as engine:
+            return await measure_interference(engine, steps)
+
+    figure = trio.run(measure)
+    print("interference:", figure)
+    return 0 if figure["ratio"] <= 2.0 else 1
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--max-prefill", type=int, default=64, help="prefill tokens per iteration")
+    parser.add_argument(
+        "--interference-only", action="store_true", help="only the prefill interference figure (printed, not written)"
+    )
     args = parser.parse_args()
     model = bench_model(quick=False)
     cfg = EngineConfig(
         model=model, max_sessions=8, kv_cells=4096, n_batch=512, n_ubatch=512, n_threads=2,
         max_prefill_tokens=args.max_prefill, max_step_tokens=512,
     )  # fmt: skip
+    if args.interference_only:
+        return interference_only(cfg, args.steps)
     out = trio.run(sweep, args, cfg)
     out.update(trio.run(invariant, args, cfg))
     path = write_evidence(

@@ -165,15 +165,29 @@ class EngineConfig:
             "min": 0,
         },
     )
-    # While sessions decode, an iteration's prefill rows may add about this many decode steps'
-    # time (sized from measured step times; engine/pacing.py), so decode latency stays bounded.
+    # While sessions decode, an iteration's prefill rows may stretch the gap between their tokens
+    # to a target: `itl_target_ms`, else 1 + `prefill_share` undisturbed gaps. The budget
+    # adapts to the recent gaps' p99 and to how many sessions wait to prefill (engine/pacing.py).
     prefill_share: float = field(
         default=1.0,
         metadata={
-            "help": "while sessions decode, an iteration's prefill may add this many decode steps' time "
-            "(higher: faster prefill and more throughput, longer gaps between tokens)",
+            "help": "while sessions decode, an iteration's prefill may add this many decode steps' time to "
+            "the gap between their tokens, when --itl-target-ms is not set (higher: prompts join the "
+            "decode batch sooner, more throughput, longer gaps)",
             "group": "tuning",
             "min": 0,
+        },
+    )
+    itl_target_ms: float | None = field(
+        default=None,
+        metadata={
+            "help": "the inter-token gap (p99, ms) that prefill beside decodes may stretch decoding sessions "
+            "to; prefill grows while the recent p99 is under it and shrinks when over (0: from the "
+            "measured undisturbed gaps)",
+            "group": "tuning",
+            "min": 0,
+            "zero_is_none": True,
+            "shown": "1 + --prefill-share undisturbed gaps (decode-only calls)",
         },
     )
     # Session groups run in calls of their own, each answered as soon as it is computed: at a

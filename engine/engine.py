@@ -263,7 +263,10 @@ class Engine:
                     if self.scheduler.pending_steps == 0:
                         return
                 await self._ends.flush()  # the safe point: nothing half-done (engine/session_ends.py)
-                plan = self.scheduler.plan(self.executor.pace.prefill_budget(self.config.prefill_share))
+                budget = self.executor.pace.prefill_budget(
+                    self.config.prefill_share, self.config.itl_target_ms, self.scheduler.demand()
+                )
+                plan = self.scheduler.plan(budget)
                 if plan is None:
                     await self._wait_for_work()
                     continue

@@ -43,6 +43,7 @@ from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+from engine.pacing import Demand
 from protocol.errors import ErrorCode, Fault
 
 SessionKey = Any  # any hashable; the engine uses (connection, session id)
@@ -488,6 +489,13 @@ class Scheduler(Generic[StepPayload, OpenPayload]):
         return sum(1 for s in self.sessions.values() if s.step is not None)
 
     # -- planning ----------------------------------------------------------------
+
+    def demand(self) -> Demand:
+        """Who the next iteration would serve: sessions with a decode step ready (as many as one
+        call carries), and sessions waiting to prefill (a multi-row step, whether a prompt or
+        the rows of a decoding session's verification step)."""
+        decoding = sum(1 for s in self.sessions.values() if s.step is not None and s.step.is_decode)
+        return Demand(min(decoding, self.config.n_batch), len(self._rr))
 
     def plan(self, prefill_budget: int | None = None) -> Plan | None:
         """The next iteration's llama_decode calls, or None when there is nothing to run.

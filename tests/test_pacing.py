@@ -1,21 +1,42 @@
-"""The prefill pace: budgets from measured costs, a decode step re-measured when stale (pure)."""
+"""The prefill pace: an adaptive budget from measured costs, the gaps' p99 and who waits (pure)."""
 
 from __future__ import annotations
+
+import copy
 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.pacing import PrefillPace
+from engine.pacing import Demand, PrefillPace
+
+ONE_DECODER = Demand(decoding=1, prefilling=1)
+
+
+def measured(decode_ms: float, prefill_token_ms: float) -> PrefillPace:
+    """A pace that has seen one decode-only call of `decode_ms` and knows a prompt token's cost."""
+    pace = PrefillPace(prefill_token_ms=prefill_token_ms)
+    pace.observe(decode_rows=4, prefill_rows=0, ms=decode_ms)
+    return pace
 
 
 def test_first_asks_for_a_decode_only_iteration_then_probes_then_sizes_from_costs() -> None:
     pace = PrefillPace()
     assert pace.prefill_budget(1.0) == 0  # no decode cost yet: measure one
     pace.observe(decode_rows=5, prefill_rows=0, ms=40.0)
-    assert pace.prefill_budget(1.0) == PrefillPace.MIN_CHUNK  # prefill cost unknown: a probe
+    assert pace.prefill_budget(1.0, demand=ONE_DECODER) == PrefillPace.MIN_CHUNK  # prefill cost unknown: a probe
     pace.observe(decode_rows=5, prefill_rows=100, ms=240.0)  # 200 ms for 100 rows: 2 ms each
-    assert pace.prefill_budget(1.0) == PrefillPace.MIN_CHUNK  # 20 rows would be under the floor
-    assert pace.prefill_budget(4.0) == 80
+    assert pace.gain == 1.0  # a probe is not sized by the gain: it teaches the gain nothing
+    # The default target is 1 + share decode steps: room for `share` steps of prefill.
+    assert pace.prefill_budget(1.0, demand=ONE_DECODER) == PrefillPace.MIN_CHUNK  # 20 rows: under the floor
+    assert pace.prefill_budget(4.0, demand=ONE_DECODER) == 80
+    assert pace.target_ms == 5 * 40.0
+
+
+def test_an_operator_target_sets_the_room_whatever_the_share() -> None:
+    pace = measured(40.0, 0.5)
+    assert pace.prefill_budget(1.0, itl_target_ms=100.0, demand=ONE_DECODER) == 120  # (100 - 40) / 0.5
+    assert pace.prefill_budget(9.0, itl_target_ms=100.0, demand=ONE_DECODER) == 120
+    assert pace.prefill_budget(1.0, itl_target_ms=30.0, demand=ONE_DECODER) == PrefillPace.MIN_CHUNK  # no room
 
 
 def test_a_mixed_call_before_any_decode_measurement_teaches_nothing() -> None:
@@ -29,7 +50,7 @@ def test_prefill_only_calls_measure_the_token_cost_directly() -> None:
     pace.observe(decode_rows=0, prefill_rows=256, ms=420.0)
     pace.observe(decode_rows=8, prefill_rows=0, ms=60.0)
     assert pace.prefill_token_ms is not None and abs(pace.prefill_token_ms - 420 / 256) < 1e-9
-    assert pace.prefill_budget(2.0) == int(2 * 60 / (420 / 256))
+    assert pace.prefill_budget(2.0, demand=ONE_DECODER) == int(2 * 60 / (420 / 256))
 
 
 def test_a_stale_decode_estimate_is_measured_again() -> None:
@@ -44,17 +65,98 @@ def test_a_stale_decode_estimate_is_measured_again() -> None:
     assert pace.prefill_budget(1.0) > 0 and pace.decode_ms == 40.0 + 0.2 * (50.0 - 40.0)
 
 
+def test_gaps_over_the_target_shrink_the_gain_and_full_calls_well_under_it_grow_it() -> None:
+    pace = measured(40.0, 1.0)
+    rows = pace.prefill_budget(1.0, demand=ONE_DECODER)  # target 80 ms: 40 rows
+    assert rows == 40
+    pace.observe(decode_rows=4, prefill_rows=rows, ms=120.0)  # a gap of 120 ms: over
+    assert pace.gain == PrefillPace.SHRINK
+    pace = measured(40.0, 1.0)
+    rows = pace.prefill_budget(1.0, demand=ONE_DECODER)
+    pace.observe(decode_rows=4, prefill_rows=rows - 1, ms=50.0)  # under, but the prompt ran out: no evidence
+    assert pace.gain == 1.0
+    rows = pace.prefill_budget(1.0, demand=ONE_DECODER)
+    pace.observe(decode_rows=4, prefill_rows=rows, ms=50.0)  # the whole budget, well under the target
+    assert pace.gain == PrefillPace.GROW
+    assert pace.prefill_budget(1.0, demand=ONE_DECODER) > rows
+
+
+def test_sessions_waiting_to_prefill_share_the_iteration_with_those_decoding() -> None:
+    pace = measured(40.0, 1.0)
+    alone = pace.prefill_budget(1.0, demand=Demand(decoding=2, prefilling=2))
+    assert not pace.boosted
+    wave = pace.prefill_budget(1.0, demand=Demand(decoding=2, prefilling=6))
+    assert pace.boosted and wave == 3 * alone
+    pace.observe(decode_rows=2, prefill_rows=wave, ms=160.0)  # a boosted gap: not what the target holds
+    assert pace.gain == 1.0 and list(pace.gaps) == [40.0]  # only the decode-only call
+
+
+def test_the_default_target_follows_the_undisturbed_gaps_jitter_not_one_stall() -> None:
+    pace = measured(40.0, 1.0)
+    for ms in [40.0] * 8 + [48.0, 2000.0]:  # a little jitter, and one stall of the machine
+        pace.observe(decode_rows=4, prefill_rows=0, ms=ms)
+    pace.prefill_budget(1.0, demand=ONE_DECODER)
+    assert pace.target_ms == 2 * 48.0  # twice the 90th percentile of the decode-only calls
+
+
 calls = st.tuples(st.integers(0, 16), st.integers(0, 512), st.floats(0.1, 1000.0))
+demands = st.builds(Demand, st.integers(0, 16), st.integers(0, 16))
+targets = st.one_of(st.none(), st.floats(1.0, 500.0))
 
 
-@given(st.lists(calls, max_size=80), st.floats(0.1, 8.0))
-def test_prefill_is_never_held_back_twice_in_a_row(history: list[tuple[int, int, float]], share: float) -> None:
-    """A zero budget (decode-only, to measure) is answered by a decode-only call: the next is not zero."""
+@given(st.lists(st.tuples(calls, demands), max_size=80), st.floats(0.1, 8.0), targets)
+def test_prefill_is_never_held_back_twice_in_a_row(
+    history: list[tuple[tuple[int, int, float], Demand]], share: float, target: float | None
+) -> None:
+    """A zero budget (decode-only, to measure) is answered by a decode-only call: the next is not
+    zero. Whatever happened before, the gain stays within its bounds."""
     pace = PrefillPace()
-    for decode_rows, prefill_rows, ms in history:
+    for (decode_rows, prefill_rows, ms), demand in history:
+        pace.prefill_budget(share, target, demand)
         pace.observe(decode_rows, prefill_rows, ms)
-    budget = pace.prefill_budget(share)
+        assert PrefillPace.MIN_GAIN <= pace.gain <= PrefillPace.MAX_GAIN
+    budget = pace.prefill_budget(share, target, ONE_DECODER)
     assert budget == 0 or budget >= PrefillPace.MIN_CHUNK
     if budget == 0:
         pace.observe(decode_rows=4, prefill_rows=0, ms=30.0)  # the decode-only iteration it asked for
-        assert pace.prefill_budget(share) >= PrefillPace.MIN_CHUNK
+        assert pace.prefill_budget(share, target, ONE_DECODER) >= PrefillPace.MIN_CHUNK
+
+
+@given(st.lists(calls, min_size=2, max_size=60), demands, st.integers(1, 16), st.floats(0.1, 8.0), targets)
+def test_more_sessions_waiting_never_lower_the_budget(
+    history: list[tuple[int, int, float]], demand: Demand, more: int, share: float, target: float | None
+) -> None:
+    pace = PrefillPace()
+    for decode_rows, prefill_rows, ms in history:
+        pace.prefill_budget(share, target, demand)
+        pace.observe(decode_rows, prefill_rows, ms)
+    fewer = copy.deepcopy(pace).prefill_budget(share, target, demand)
+    busier = Demand(demand.decoding, demand.prefilling + more)
+    assert copy.deepcopy(pace).prefill_budget(share, target, busier) >= fewer
+
+
+@given(
+    decode_ms=st.floats(2.0, 200.0),
+    token_ms=st.floats(0.01, 10.0),
+    decoding=st.integers(1, 16),
+    prompt=st.integers(1, 4096),
+    share=st.floats(0.25, 4.0),
+)
+def test_a_long_prompt_beside_decodes_keeps_every_gap_within_the_target(
+    decode_ms: float, token_ms: float, decoding: int, prompt: int, share: float
+) -> None:
+    """The promise, on an engine whose calls cost decode_ms plus token_ms a prompt row: while one
+    prompt prefills beside sessions decoding, no gap exceeds 1 + share decode steps (or one
+    smallest chunk: prefill never stops), and the prompt is done within a bounded number of calls."""
+    pace = PrefillPace()
+    pace.observe(decoding, 0, decode_ms)  # the decode step, measured before the prompt came
+    limit = max((1 + share) * decode_ms, decode_ms + PrefillPace.MIN_CHUNK * token_ms) * (1 + 1e-9)
+    left, calls = prompt, 0
+    while left:
+        calls += 1
+        rows = min(left, pace.prefill_budget(share, None, Demand(decoding, 1)), 256)
+        gap = decode_ms + rows * token_ms
+        assert gap <= limit
+        pace.observe(decoding, rows, gap)
+        left -= rows
+    assert calls <= 2 * -(-prompt // PrefillPace.MIN_CHUNK)

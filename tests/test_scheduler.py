@@ -10,6 +10,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from engine.pacing import Demand
 from engine.scheduler import Plan, Scheduler, SchedulerConfig, Session, Step, Waiter
 from protocol.errors import ErrorCode, Fault
 
@@ -67,6 +68,30 @@ def test_a_zero_prefill_budget_makes_a_decode_only_iteration_but_never_stops_pre
     run(s, plan)
     plan = s.plan(prefill_budget=0)  # nobody decodes: the budget does not apply
     assert plan is not None and [(c.key, c.count) for c in plan.chunks] == [("a", CFG.max_prefill_tokens)]
+
+
+def test_demand_counts_ready_decodes_and_sessions_waiting_to_prefill() -> None:
+    """What the prefill budget is sized by: a multi-row step of a session that already decodes
+    (a verification step) waits in the prefill path like a prompt."""
+    s = Scheduler[None, None](CFG)
+    for i, key in enumerate("abcd"):
+        opened(s, key, seq=i)
+    assert s.demand() == Demand(0, 0)
+    s.submit("a", 0, 20, 80, 0.0, None)
+    s.submit("b", 0, 1, 4, 0.0, None)
+    s.submit("c", 0, 1, 4, 0.0, None)
+    assert s.demand() == Demand(decoding=2, prefilling=1)
+    plan = s.plan(prefill_budget=8)
+    assert plan is not None
+    run(s, plan)
+    assert s.demand() == Demand(decoding=0, prefilling=1)  # b and c answered; a has 12 rows left
+    s.submit("b", 1, 3, 12, 0.0, None)  # a decoding session's multi-row step
+    assert s.demand() == Demand(decoding=0, prefilling=2)
+    plan = s.plan(prefill_budget=8)
+    assert plan is not None and [(c.key, c.count) for c in plan.chunks] == [("a", 8)]
+    run(s, plan)
+    plan = s.plan(prefill_budget=8)  # round-robin: the verification rows first, then a's tail
+    assert plan is not None and [(c.key, c.count) for c in plan.chunks] == [("b", 3), ("a", 4)]
 
 
 def test_large_step_is_split_and_answered_once_complete() -> None:
