@@ -101,7 +101,9 @@ class Engine:
             raise ValueError(
                 f"need 1 <= max_queued_per_peer ({self.queued_per_peer}) <= {config.inbox_size}, the inbox"
             )
-        output_rows = config.n_batch if (not self.info.last or config.batch_invariant) else config.max_sessions
+        # A last stage's logits buffer grows to the most outputs one call asks for: a row per session
+        # for `out: "token"`, but every row of a step for `out: "tokens"`, so up to a whole batch.
+        output_rows = config.n_batch
         self.compute_bytes = backend.compute_buffer_bytes
         self.output_buffer_bytes = backend.output_buffer_bytes(output_rows)
         scratch = self.compute_bytes + self.output_buffer_bytes
@@ -155,11 +157,11 @@ class Engine:
         if self.queued_per_peer < self.config.inbox_size and self._queued[request.owner] >= self.queued_per_peer:
             self.telemetry.quota_refused["queued"] += 1
             quota = f"this connection has its quota of {self.queued_per_peer} requests queued for the engine"
-            return counted(Fault(ErrorCode.BUSY, quota, self.scheduler.busy_retry_ms()))
+            return counted(Fault(ErrorCode.BUSY, quota, self.busy_retry_ms()))
         try:
             self._inbox_send.send_nowait((request, reply))
         except trio.WouldBlock:
-            return counted(Fault(ErrorCode.BUSY, "the engine's inbox is full", self.scheduler.busy_retry_ms()))
+            return counted(Fault(ErrorCode.BUSY, "the engine's inbox is full", self.busy_retry_ms()))
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             return counted(Fault(ErrorCode.SHUTTING_DOWN, "the node has stopped"))
         self._queued[request.owner] += 1
@@ -219,7 +221,7 @@ class Engine:
 
     def busy_retry_ms(self) -> int:
         """When a `busy` requester should try again: about one step from now."""
-        return self.scheduler.busy_retry_ms()
+        return self.scheduler.estimates.busy_retry_ms()
 
     def max_tokens_of(self, owner: Any, session: str) -> int | None:
         """An open session's `max_tokens`; None when there is no such session."""

@@ -182,7 +182,7 @@ class Executor:
                 continue
             self.sessions.rewind(session.seq, step.pos)
             if code is ErrorCode.BUSY:
-                reply.answer(counted(Fault(code, message, self.scheduler.busy_retry_ms())))
+                reply.answer(counted(Fault(code, message, self.scheduler.estimates.busy_retry_ms())))
             else:
                 reply.answer(counted(Fault(ErrorCode.INTERNAL, f"the backend failed; session rolled back: {message}")))
 

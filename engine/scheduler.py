@@ -39,7 +39,7 @@ plans it returns, and reports back. The policy (DESIGN.md):
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -198,6 +198,10 @@ class _Estimates:
 
     def observe_session(self, ms: float) -> None:
         self.session_ms += 0.2 * (ms - self.session_ms)
+
+    def busy_retry_ms(self) -> int:
+        """When a `busy` step or open may be tried again: about one step."""
+        return max(1, int(self.step_ms))
 
 
 Admitted = tuple[Waiter[OpenPayload], Session[StepPayload]]  # a waiting open, now a session
@@ -454,7 +458,7 @@ class Scheduler(Generic[StepPayload, OpenPayload]):
         if session is None:
             return Fault(ErrorCode.UNKNOWN_SESSION, "no such open session on this connection")
         if session.step is not None:
-            return Fault(ErrorCode.BUSY, "the session already has a step in flight", self.busy_retry_ms())
+            return Fault(ErrorCode.BUSY, "the session already has a step in flight", self.estimates.busy_retry_ms())
         if n < 1:
             return Fault(ErrorCode.BAD_REQUEST, "a step needs n >= 1")
         if n > cfg.max_step_tokens:
@@ -469,7 +473,7 @@ class Scheduler(Generic[StepPayload, OpenPayload]):
         if self.queued_bytes + nbytes > cfg.queue_budget_bytes:
             return Fault(
                 ErrorCode.BUSY, f"queue budget full ({self.queued_bytes} of {cfg.queue_budget_bytes} bytes)",
-                self.busy_retry_ms(),
+                self.estimates.busy_retry_ms(),
             )  # fmt: skip
         self._arrivals += 1
         step = Step(key, pos, n, nbytes, self._arrivals, payload, submitted_iteration=self.iteration)
@@ -481,9 +485,6 @@ class Scheduler(Generic[StepPayload, OpenPayload]):
             self._rr.append(key)
         return step
 
-    def busy_retry_ms(self) -> int:
-        return max(1, int(self.estimates.step_ms))
-
     @property
     def pending_steps(self) -> int:
         return sum(1 for s in self.sessions.values() if s.step is not None)
@@ -491,9 +492,8 @@ class Scheduler(Generic[StepPayload, OpenPayload]):
     # -- planning ----------------------------------------------------------------
 
     def demand(self) -> Demand:
-        """Who the next iteration would serve: sessions with a decode step ready (as many as one
-        call carries), and sessions waiting to prefill (a multi-row step, whether a prompt or
-        the rows of a decoding session's verification step)."""
+        """Who the next iteration would serve: ready decode steps (as many as one call carries), and
+        sessions waiting to prefill (a multi-row step: a prompt, or a verification's rows)."""
         decoding = sum(1 for s in self.sessions.values() if s.step is not None and s.step.is_decode)
         return Demand(min(decoding, self.config.n_batch), len(self._rr))
 
@@ -597,10 +597,12 @@ class Scheduler(Generic[StepPayload, OpenPayload]):
         """The cells stay held (nothing changed); opens waiting for them wait for their deadline."""
         self.compaction_failed_at = self.kv_held
 
-    def idle_sessions(self, now_ms: float, idle_ms: float) -> list[SessionKey]:
-        return [k for k, s in self.sessions.items() if s.step is None and now_ms - s.last_active_ms >= idle_ms]
-
     def begin_shutdown(self, now_ms: float) -> list[Refused[OpenPayload]]:
         """Refuse new work from now on; waiting opens are rejected."""
         self.shutting_down = True
         return self.poll_waiting(now_ms)[1]
+
+
+def idle_sessions(sessions: Mapping[SessionKey, Session[Any]], now_ms: float, idle_ms: float) -> list[SessionKey]:
+    """The sessions with no step in flight that have been quiet for `idle_ms`."""
+    return [k for k, s in sessions.items() if s.step is None and now_ms - s.last_active_ms >= idle_ms]

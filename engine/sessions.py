@@ -25,7 +25,7 @@ from engine.messages import (
     StepRequest,
 )
 from engine.replies import Opening, Reply, RequesterGone, Work
-from engine.scheduler import Scheduler, Session, SessionKey, Waiter
+from engine.scheduler import Scheduler, Session, SessionKey, Waiter, idle_sessions
 from engine.session_ends import SessionEnds
 from engine.telemetry import Telemetry
 from protocol.errors import ErrorCode, Fault
@@ -187,7 +187,7 @@ class Sessions:
                 self.ends.post(CloseAnswered(request.owner, request.session, existed and i == 0))
 
     def close_idle(self, idle_ms: float) -> None:
-        for key in self.scheduler.idle_sessions(now_ms(), idle_ms):
+        for key in idle_sessions(self.scheduler.sessions, now_ms(), idle_ms):
             log.info("closing idle session %r", key[1])
             self.close(key, EndReason.IDLE, "the session was idle for too long")
 

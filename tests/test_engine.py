@@ -492,8 +492,9 @@ async def test_stats_report_memory_part_by_part_and_what_the_process_holds(
             stats = engine.stats()
             info, ctx = engine.info, engine.config.context()
         assert stats["scratch_bytes"] == stats["compute_bytes"] + stats["output_buffer_bytes"] > 0
-        # llama.cpp keeps a logits row per output row; a non-last stage asks for none (its capture block)
-        rows = ctx.n_seq_max if not info.last else max(engine.config.max_sessions, ctx.n_seq_max)
+        # llama.cpp keeps a logits row per output row; a non-last stage asks for none (its capture
+        # block), a last stage for up to a whole batch (`out: "tokens"`: every row of a step)
+        rows = ctx.n_seq_max if not info.last else max(ctx.n_batch, ctx.n_seq_max)
         assert stats["output_buffer_bytes"] == 4 * info.n_vocab * rows
         assert 0 < stats["rss_anon_bytes"] < stats["rss_bytes"] <= stats["rss_peak_bytes"]
         assert stats["rss_anon_bytes"] + stats["rss_file_bytes"] <= stats["rss_bytes"]

@@ -256,8 +256,10 @@ async def test_a_generating_session_is_busy(tiny_model: Path) -> None:
                         await attempt
                     assert info.value.code == "busy" and info.value.retry_after_ms
                 assert (await c.stats())["generations_active"] == 1
+                # The cancel is in before the held decode ends, so the run ends at its first token.
+                nursery.start_soon(c.cancel, "s")
+                await wait_until(lambda: any(run.cancel.is_set() for run in node.generations.runs.values()))
                 release.set()
-                await c.cancel("s")
         assert outcome[0].reason == "cancelled" and outcome[0].generated == 1
         # Free again: another run, the same tokens as in a session that was never generating.
         again = await generate(c, "s", 0, IDS, 3, ignore_eog=True)
