@@ -100,7 +100,7 @@ def stage_memory(path: Path) -> dict[str, float]:
             "weights": weights,
             "kv": kv,
             "compute": backend.compute_buffer_bytes,
-            "output_buffer": backend.output_buffer_bytes(n if not info.last else 1),
+            "output_buffer": backend.output_buffer_bytes(),
             "rss": held.rss,
             "rss_peak": held.peak,
             "rss_anon": held.anon,

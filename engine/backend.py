@@ -196,9 +196,10 @@ class StageBackend:
         """llama.cpp's compute buffer for this context, as it logged it at creation."""
         return sum(logged_buffers(self.context_log, "compute").values())
 
-    def output_buffer_bytes(self, output_rows: int) -> int:
-        """The logits buffer llama.cpp grows to when a batch asks for `output_rows` outputs."""
-        rows = 0 if self.capture_all else output_rows
+    def output_buffer_bytes(self) -> int:
+        """The logits buffer llama.cpp may grow to: a row per output row, and a last stage's calls
+        ask for up to a whole batch of them (`out: "tokens"`: every row of a step)."""
+        rows = 0 if self.capture_all else self.config.n_batch
         return 4 * self.info.n_vocab * max(rows, self.config.n_seq_max)
 
     # -- sequences ---------------------------------------------------------------

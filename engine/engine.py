@@ -101,11 +101,8 @@ class Engine:
             raise ValueError(
                 f"need 1 <= max_queued_per_peer ({self.queued_per_peer}) <= {config.inbox_size}, the inbox"
             )
-        # A last stage's logits buffer grows to the most outputs one call asks for: a row per session
-        # for `out: "token"`, but every row of a step for `out: "tokens"`, so up to a whole batch.
-        output_rows = config.n_batch
         self.compute_bytes = backend.compute_buffer_bytes
-        self.output_buffer_bytes = backend.output_buffer_bytes(output_rows)
+        self.output_buffer_bytes = backend.output_buffer_bytes()
         scratch = self.compute_bytes + self.output_buffer_bytes
         self.budgets = Budgets(budgets.weights_bytes, budgets.kv_bytes, scratch)
         self.telemetry = Telemetry()

@@ -53,6 +53,7 @@ class PrefillPace:
     gain: float = 1.0  # on the target's room: grows while the gaps' p99 is under the target
     gaps: deque[float] = field(default_factory=lambda: deque(maxlen=PrefillPace.WINDOW))
     quiet: deque[float] = field(default_factory=lambda: deque(maxlen=PrefillPace.QUIET_WINDOW))  # decode-only
+    undisturbed_ms: float | None = None  # the quiet calls' QUIET_QUANTILE, kept as they arrive
     target_ms: float | None = None  # the target the last budget was sized for
     boosted: bool = False  # the last budget was raised for sessions waiting to prefill
     budget_rows: int = 0  # the last budget: a call that carried fewer rows says nothing of more
@@ -82,6 +83,7 @@ class PrefillPace:
             if decode_rows:
                 self.decode_ms = _blend(self.decode_ms, ms)
                 self.quiet.append(ms)
+                self.undisturbed_ms = _quantile(self.quiet, self.QUIET_QUANTILE)
                 self.since_decode_sample = 0
             return
         self.since_decode_sample += 1
@@ -107,7 +109,7 @@ class PrefillPace:
         undisturbed gaps (decode-only calls)."""
         if itl_target_ms is not None:
             return itl_target_ms
-        return (1.0 + share) * _quantile(self.quiet, self.QUIET_QUANTILE) if self.quiet else None
+        return (1.0 + share) * self.undisturbed_ms if self.undisturbed_ms is not None else None
 
     def prefill_budget(self, share: float, itl_target_ms: float | None = None, demand: Demand | None = None) -> int:
         """Prefill rows for an iteration that also decodes (the scheduler caps them further).

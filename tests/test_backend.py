@@ -461,7 +461,7 @@ def test_a_non_last_stage_reserves_no_vocabulary_head(tmp_path: Path, open_backe
     assert head.capture_all and not tail.capture_all
     logits = 4 * head.info.n_vocab * config.n_ubatch
     assert head.compute_buffer_bytes < logits <= tail.compute_buffer_bytes  # no room for one logits tensor
-    assert head.output_buffer_bytes(config.n_batch) == 4 * head.info.n_vocab * config.n_seq_max
+    assert head.output_buffer_bytes() == 4 * head.info.n_vocab * config.n_seq_max
     seq = head.open_sequence()
     tokens = np.array(prompts(2, [config.n_batch])["s0"], np.int32) % head.info.n_vocab
     hidden = head.decode([Segment(seq, 0, tokens=tokens, output=Output.HIDDEN)])[0].hidden
