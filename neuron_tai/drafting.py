@@ -63,10 +63,10 @@ class PromptLookup:
         that runs into the tail goes on copying what it proposed (a repeat with a period
         shorter than `k` is proposed in full).
         """
+        if k <= 0 or len(history) < 2:
+            return []  # before the copy: a paused session's pass costs nothing here
         tokens = np.asarray(history, dtype=np.int64)
         size = len(tokens)
-        if k <= 0 or size < 2:
-            return []
         for n in range(min(self.max_ngram, size - 1), self.min_ngram - 1, -1):
             start = _last_earlier_match(tokens, n)
             if start is not None:
