@@ -33,6 +33,7 @@ from bench.latency import summarize
 from bench.node_driver import closed_loop
 from bench.processes import Processes, free_ports, node_ready, open_processes, serve_command
 from bench.workload import CORPUS, make_requests
+from neuron_tai.cli_plan import planned_split
 from neuron_tai.client import open_client
 from neuron_tai.layer_costs import Measure, cached_costs
 from neuron_tai.placement import Host, Plan, Workload, evaluate, plan
@@ -49,10 +50,8 @@ def planned_bounds(
 ) -> list[tuple[int, int]]:
     """The plan's split of `model` into `stages` (hosts of `speeds`, equal by default), from costs
     measured on this machine with one thread per stage (cached after the first call)."""
-    hosts = [Host(s) for s in speeds] if speeds is not None else [Host()] * stages
-    if len(hosts) != stages:
-        raise ValueError(f"{stages} stages but {len(hosts)} speeds")
-    return plan(cached_costs(model, Measure(threads=1)), hosts, workload or Workload()).bounds
+    hosts = [Host(s) for s in speeds] if speeds is not None else None
+    return planned_split(model, stages, workload=workload, hosts=hosts).bounds
 
 
 @contextlib.contextmanager

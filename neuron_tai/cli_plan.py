@@ -98,11 +98,20 @@ def _costs(opts: PlanOptions) -> ModelCosts:
 
 
 def planned_split(
-    model: Path, stages: int, *, threads: int = 1, workload: Workload | None = None, costs: Path | None = None
+    model: Path,
+    stages: int,
+    *,
+    threads: int = 1,
+    workload: Workload | None = None,
+    costs: Path | None = None,
+    hosts: Sequence[Host] | None = None,
 ) -> Plan:
-    """The plan for `stages` equal machines: what `neuron-tai shard --stages N` writes."""
+    """The plan for `stages` machines (equal unless `hosts` says): what `neuron-tai shard --stages N` writes."""
     measured = load_costs(costs) if costs is not None else cached_costs(model, Measure(threads=threads))
-    return plan(measured, [Host()] * stages, workload or Workload())
+    chosen = list(hosts) if hosts is not None else [Host()] * stages
+    if len(chosen) != stages:
+        raise ValueError(f"{stages} stages but {len(chosen)} hosts")
+    return plan(measured, chosen, workload or Workload())
 
 
 def serve_lines(
