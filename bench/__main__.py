@@ -5,7 +5,8 @@ after another, and the time each took is printed. `all` is what `just bench` run
 report on gemma-3-270m and on the Llama-3.2-1B shape, each with the prompt-heavy and the
 decode-heavy workload (each report also measures llama-batched-bench's ceiling), then
 kernels, CURVE, stage costs, multi-host for both models, the gateway, the pipeline figures
-and chaos. With `--quick`, `all` is the quick report on the tiny test model.
+and speculation. Chaos measures robustness, not speed: it is `just chaos`. With `--quick`,
+`all` is the quick report on the tiny test model.
 
 `--model` takes a GGUF file, `gemma-3-270m` or a model shape (`llama-3.2-1b`, `llama-3.1-8b`;
 written once into ~/.cache/neuron-tai/shapes): every suite then measures that model, shards
@@ -79,8 +80,9 @@ SUITES = {
 
 # `just bench`: (suite, model; None = the suite's default, gemma-3-270m), each suite with its full arguments.
 # Within 45 minutes on 2 cores: the reports beside the default cut repetitions, then systems (bench.report
-# plan_for); the sweeps run one repetition; the Llama-3.2-1B shape's multi-host part measures scale-out at
-# concurrency 1 (its solo reference) and 8 only, no added delay (the curve and the latency tolerance are gemma's).
+# plan_for); the sweeps run one repetition; multi-host serves 3 requests per client (all 16 from c=6 on), and
+# the Llama-3.2-1B shape's part measures scale-out at c = 1, 8 and 16 with no added delay (the latency
+# tolerance is gemma-3-270m's).
 FULL_SET: list[tuple[str, str | None]] = [
     ("report", None),
     ("report-decode", None),
@@ -97,10 +99,10 @@ FULL_SET: list[tuple[str, str | None]] = [
     ("pipeline", SHAPE),
     ("attach", SHAPE),
     ("speculation", None),
-    ("chaos", None),
 ]
 FULL_EXTRA: dict[tuple[str, str | None], tuple[str, ...]] = {
-    ("multihost", SHAPE): ("--delays", "0", "--concurrency", "1,8")
+    ("multihost", None): ("--per-client", "3"),
+    ("multihost", SHAPE): ("--per-client", "3", "--delays", "none", "--concurrency", "1,8,16"),
 }
 QUICK_SET: list[tuple[str, str | None]] = [("report", None)]
 
@@ -184,9 +186,8 @@ def main() -> int:
         return 0
     if args.suites == ["all"]:
         plan = QUICK_SET if args.quick else FULL_SET
-        if args.model:  # every part that measures a model, on the one the user named (chaos uses the tiny one)
-            skip = ("chaos",)
-            plan = list(dict.fromkeys((name, args.model) for name, _ in plan if name not in skip))
+        if args.model:  # every part, on the one model the user named
+            plan = list(dict.fromkeys((name, args.model) for name, _ in plan))
     else:
         unknown = [s for s in args.suites if s not in SUITES]
         if unknown:

@@ -29,8 +29,17 @@ from neuron_tai.client import open_client
 
 
 async def run(
-    address: str, concurrencies: list[int], n: int, max_new: int, max_prompt: int, seed: int, tag: str, workload: str
+    address: str,
+    concurrencies: list[int],
+    n: int,
+    max_new: int,
+    max_prompt: int,
+    seed: int,
+    tag: str,
+    workload: str,
+    per_client: int = 0,
 ) -> dict[str, Any]:
+    """Closed-loop runs at each concurrency c over the first `per_client` x c of the `n` requests (0: all n)."""
     async with open_client(address, timeout_s=300) as client:
         corpus = await client.tokenize(CORPUS, add_special=False)
         start = await client.tokenize("", add_special=True)
@@ -40,7 +49,8 @@ async def run(
         warm, _ = await closed_loop(client, requests[:1], 1, f"{tag}-warm")  # connections and caches warm, unmeasured
         runs = []
         for c in concurrencies:
-            traces, wall = await closed_loop(client, requests, c, f"{tag}-c{c}")
+            share = requests[: per_client * c] if per_client else requests
+            traces, wall = await closed_loop(client, share, c, f"{tag}-c{c}")
             runs.append({"concurrency": c, **summarize(traces, wall), "tokens": {t.rid: t.tokens for t in traces}})
     warm_tokens = sum(len(t.tokens) for t in warm)  # computed by the nodes too, before the runs
     return {
@@ -86,6 +96,7 @@ def main() -> int:
     r.add_argument("--seed", type=int, default=12)
     r.add_argument("--tag", default="load")
     r.add_argument("--workload", choices=sorted(WORKLOADS), default="prompt", help="prompt lengths (bench/workload.py)")
+    r.add_argument("--per-client", type=int, default=0, help="at concurrency c, the first per-client x c requests")
     p = sub.add_parser("ping")
     p.add_argument("address")
     p.add_argument("--count", type=int, default=50)
@@ -105,6 +116,7 @@ def main() -> int:
             args.seed,
             args.tag,
             args.workload,
+            args.per_client,
         )
     else:
         out = trio.run(ping, args.address, args.count)

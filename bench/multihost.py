@@ -100,6 +100,7 @@ class Plan:
     nice: int = 0  # the nodes' niceness (--nice)
     micro_batches: int | None = None  # the heads' --micro-batches (None: the node's default)
     seed: int = 12
+    per_client: int = 0  # at concurrency c, the first per_client x c requests (0: all of them)
 
     def new_tokens(self, workload: str) -> int:
         """Tokens generated per request in `workload`."""
@@ -221,6 +222,8 @@ class Cluster:
                 tag,
                 "--workload",
                 workload,
+                "--per-client",
+                str(plan.per_client),
             ],
         )
         return [{**run, "warm_tokens": out["warm_tokens"]} for run in out["runs"]]
@@ -430,6 +433,8 @@ def with_options(plan: Plan, args: argparse.Namespace, parser: argparse.Argument
         plan = replace(plan, workloads=workloads)
     if args.requests:
         plan = replace(plan, requests=args.requests)
+    if args.per_client:
+        plan = replace(plan, per_client=args.per_client)
     if args.micro_batches:
         plan = replace(plan, micro_batches=args.micro_batches)
     if args.nice:
@@ -448,6 +453,7 @@ def main() -> int:
     parser.add_argument("--concurrency", help="scale-out concurrencies, comma-separated (default 1,2,4,8,16)")
     parser.add_argument("--workload", help="prompt, decode or both (default prompt,decode; quick: prompt)")
     parser.add_argument("--requests", type=int, help="requests per run (default 16; quick 8)")
+    parser.add_argument("--per-client", type=int, help="at concurrency c, only the first N x c requests (fewer reps)")
     parser.add_argument("--max-new", type=int, help="tokens generated per request in every workload")
     parser.add_argument("--micro-batches", type=int, help="the chain heads' micro-batches (default: the node's)")
     parser.add_argument(
