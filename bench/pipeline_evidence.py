@@ -62,7 +62,8 @@ def gather(report: dict[str, Any], multihost: dict[str, Any]) -> dict[str, Any]:
         # through the chain pipelined in micro-batches. The multi-host chain runs in default mode,
         # where a quantized model's greedy tokens may legitimately part from a solo run at near-ties
         # (batch-shape rounding): those differences are reported beside, not as corruption.
-        "mismatches": int(report["mismatches"]),
+        # None where the report ran no proofs (a report beside the default one leaves them to it).
+        "mismatches": None if report["mismatches"] is None else int(report["mismatches"]),
         "multihost_default_mode_requests_differing_from_solo": int(multihost["chain_token_mismatches"]),
         "topology": multihost["topology"]["note"],
         "sources": {"report": report["command"], "multihost": multihost["command"]},

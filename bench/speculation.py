@@ -156,7 +156,9 @@ async def measure(
 
 def start_setups(procs: Any, model: Path, shards: list[Path], invariant: bool, speculate_flag: str) -> dict[str, str]:
     """A single node and a 2-stage chain; their client-facing addresses by setup name."""
-    flags = [*SWEEP_SERVE, "--speculate", speculate_flag, *(INVARIANT_FLAGS if invariant else [])]
+    # A copy-heavy prompt (1600 characters of source) is longer than one step's default 512 tokens.
+    flags = [*SWEEP_SERVE, "--max-step-tokens", "2048", "--speculate", speculate_flag]
+    flags += INVARIANT_FLAGS if invariant else []
     ports = iter(free_ports(3))
     tag = "-invariant" if invariant else ""
     single, head, tail = (f"tcp://127.0.0.1:{next(ports)}" for _ in range(3))
