@@ -26,6 +26,19 @@ import numpy.typing as npt
 MAX_SPECULATE = 32  # most draft tokens per pass; a request asking for more gets this many
 
 
+def window_room(room: int, pos: int, window: int) -> int:
+    """Drafts a pass at `pos` may carry on a model whose sliding window is `window` (0: none).
+
+    A pass at `pos` with d drafts takes positions pos..pos+d. llama.cpp may then hand the
+    cell of any position p <= pos+d+1-window to another sequence, yet undoing rejected
+    drafts (down to pos+1) needs every position from pos+2-window on. Only passes that
+    reach no position the window has left behind can be undone: d <= window-2-pos.
+    """
+    if window <= 0:
+        return room
+    return max(0, min(room, window - 2 - pos))
+
+
 def accepted(drafts: Sequence[int], rows: Sequence[int]) -> list[int]:
     """The tokens a verified pass yields: the drafts the model agrees with, then its own next.
 

@@ -23,7 +23,7 @@ import trio
 
 from engine.engine import Engine
 from engine.messages import Rollback
-from neuron_tai.drafting import MAX_SPECULATE, Drafter, accepted
+from neuron_tai.drafting import MAX_SPECULATE, Drafter, accepted, window_room
 from neuron_tai.generation import MAX_PENDING_CANCELS, EndReason, EndRule, Generation
 from neuron_tai.handler_pool import HandlerPool, Held
 from neuron_tai.outbox import Outbox
@@ -157,12 +157,13 @@ class Generations:
         wanted = self.speculate if req.speculate is None else req.speculate
         return max(0, min(wanted, MAX_SPECULATE, self.steps.stage.max_step_tokens - 1))
 
-    @staticmethod
-    def _drafts(drafter: Drafter | None, progress: _Progress, rule: EndRule) -> list[int]:
-        """Drafts for the next pass: none on the prompt's pass, none past `max_new` or `max_tokens`."""
+    def _drafts(self, drafter: Drafter | None, progress: _Progress, rule: EndRule) -> list[int]:
+        """Drafts for the next pass: none on the prompt's pass, none past `max_new` or `max_tokens`,
+        none that a sliding-window cache could not undo."""
         if drafter is None or not progress.produced:
             return []
         room = min(rule.max_new - len(progress.produced), progress.max_tokens - progress.pos) - 1
+        room = window_room(room, progress.pos, self.engine.info.n_swa)
         return drafter.draft(room) if room > 0 else []
 
     def _advance(

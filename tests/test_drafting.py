@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from neuron_tai.drafting import DraftPolicy, PromptLookup
+from neuron_tai.drafting import DraftPolicy, PromptLookup, window_room
 
 histories = st.lists(st.integers(0, 5), max_size=60)  # a small alphabet: many repeats
 
@@ -110,3 +110,14 @@ def test_one_accepted_draft_ends_the_pause_doubling() -> None:
     policy.passed(1, 1)
     policy.passed(policy.budget(), 0)
     assert policy.pause == 2  # back to the first pause
+
+
+@given(st.integers(0, 64), st.integers(0, 4096), st.integers(0, 1024))
+def test_drafts_never_reach_a_position_a_sliding_window_has_left(room: int, pos: int, window: int) -> None:
+    d = window_room(room, pos, window)
+    assert 0 <= d <= room
+    if window == 0:
+        assert d == room
+    else:
+        assert d == 0 or pos + d + 1 - window < 0  # no real position can be handed away mid-pass
+        assert d == room or pos + d + 2 - window >= 0  # and no fewer drafts than that allows
