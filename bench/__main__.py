@@ -80,9 +80,9 @@ SUITES = {
 
 # `just bench`: (suite, model; None = the suite's default, gemma-3-270m), each suite with its full arguments.
 # Within 45 minutes on 2 cores: the reports beside the default cut repetitions, then systems (bench.report
-# plan_for); the sweeps run one repetition; multi-host serves 3 requests per client (all 16 from c=6 on), and
-# the Llama-3.2-1B shape's part measures scale-out at c = 1, 8 and 16 with no added delay (the latency
-# tolerance is gemma-3-270m's).
+# plan_for); the sweeps run one repetition; multi-host measures scale-out at c = 1, 8 and 16 (where its
+# targets are), a client serving 2 prompt-heavy requests (all 16 from c = 8 on) or 1 decode-heavy one, the
+# latency tolerance at 0 and 5 ms on gemma-3-270m only; the gateway serves 4 requests per client.
 FULL_SET: list[tuple[str, str | None]] = [
     ("report", None),
     ("report-decode", None),
@@ -101,8 +101,8 @@ FULL_SET: list[tuple[str, str | None]] = [
     ("speculation", None),
 ]
 FULL_EXTRA: dict[tuple[str, str | None], tuple[str, ...]] = {
-    ("multihost", None): ("--per-client", "3"),
-    ("multihost", SHAPE): ("--per-client", "3", "--delays", "none", "--concurrency", "1,8,16"),
+    ("multihost", None): ("--per-client", "2", "--delays", "0,5", "--concurrency", "1,8,16"),
+    ("multihost", SHAPE): ("--per-client", "2", "--delays", "none", "--concurrency", "1,8,16"),
 }
 QUICK_SET: list[tuple[str, str | None]] = [("report", None)]
 

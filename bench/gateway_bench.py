@@ -53,9 +53,13 @@ class Plan:
     concurrencies: tuple[int, ...]
     kv_cells: int
     ctx_per_slot: int
+    per_client: int = 0  # at concurrency c, the first per_client x c requests (0: all of them)
+
+    def share(self, requests: list[Request], c: int) -> list[Request]:
+        return requests[: self.per_client * c] if self.per_client else requests
 
 
-FULL = Plan(requests=16, max_new=32, max_prompt=256, concurrencies=(1, 2, 4, 8, 16), kv_cells=4096, ctx_per_slot=512)
+FULL = Plan(16, 32, 256, (1, 2, 4, 8, 16), kv_cells=4096, ctx_per_slot=512, per_client=4)
 QUICK = Plan(requests=16, max_new=8, max_prompt=64, concurrencies=(1, 2, 4, 8, 16), kv_cells=2048, ctx_per_slot=256)
 
 
@@ -240,11 +244,12 @@ def main() -> int:
         urls, single = start(procs, model, plan, args.quick)
         requests = trio.run(workload, single, plan)
         for c in plan.concurrencies:  # systems interleaved at each concurrency: drift hits all alike
+            share = plan.share(requests, c)
             for system, url in urls.items():
                 if system == DIRECT:
-                    row = trio.run(direct_loop, url, requests, c)
+                    row = trio.run(direct_loop, url, share, c)
                 else:
-                    row = trio.run(closed_loop, url, model.stem, requests, c)
+                    row = trio.run(closed_loop, url, model.stem, share, c)
                 results.setdefault(system, []).append(row)
                 print(
                     f"{system:28} c={c:<3} {row['tok_s']:8.2f} tok/s  TTFT p50/p99 {row['ttft_p50_ms']}/"
@@ -252,7 +257,7 @@ def main() -> int:
                     flush=True,
                 )
         calls = {s: trio.run(node_calls, u) for s, u in urls.items() if s.startswith("gateway")}
-    served = len(requests) * len(plan.concurrencies)
+    served = sum(len(plan.share(requests, c)) for c in plan.concurrencies)
     per_request = {s: {op: round(n / served, 3) for op, n in c.items()} for s, c in calls.items()}
     print(f"node calls per request (/metrics, the gateway's own scrapes included): {per_request}", flush=True)
     ratios = {

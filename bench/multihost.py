@@ -102,6 +102,11 @@ class Plan:
     seed: int = 12
     per_client: int = 0  # at concurrency c, the first per_client x c requests (0: all of them)
 
+    def clients_share(self, workload: str) -> int:
+        """Requests per client at each concurrency (0: all of them). Fixed-shape (decode-heavy) requests
+        are all alike: one per client measures them as well as more would."""
+        return min(1, self.per_client) if WORKLOADS[workload].one_shape else self.per_client
+
     def new_tokens(self, workload: str) -> int:
         """Tokens generated per request in `workload`."""
         return WORKLOADS[workload].max_new or self.max_new if not self.max_new_fixed else self.max_new
@@ -223,7 +228,7 @@ class Cluster:
                 "--workload",
                 workload,
                 "--per-client",
-                str(plan.per_client),
+                str(plan.clients_share(workload)),
             ],
         )
         return [{**run, "warm_tokens": out["warm_tokens"]} for run in out["runs"]]

@@ -85,6 +85,7 @@ class Plan:
     per_client: int = 0
     proofs: bool = True  # the corruption proof, the default-mode analysis and the burst
     variants: bool = True  # the node with --prefill-share 4 and `Llama` serial, beside the systems the issue names
+    chain_at: tuple[int, ...] = ()  # the concurrencies the 2-stage chain runs at (empty: every one)
 
 
 FULL = Plan(
@@ -357,6 +358,7 @@ async def sweep(
                 crash(name)
         # `Llama` serves one request at a time whatever the concurrency: measured once, at the first.
         sides = [*systems, PYTHON] if c == plan.concurrencies[0] and PYTHON in runs else systems
+        sides = [s for s in sides if s != CHAIN or not plan.chain_at or c in plan.chain_at]
         for rep, system in interleaved(plan.reps, sides):
             if not procs.alive(NEEDS[system]):
                 continue
@@ -405,9 +407,11 @@ def plan_for(base: Plan, workload: str, model: Path, out: Path | None, *, named:
 
     `just bench` runs four reports (two models, two workloads) and has 45 minutes on 2 cores. The
     default report (gemma-3-270m, prompt-heavy) runs everything; a full report beside it cuts
-    repetitions first: one repetition, a client serves 3 requests at each concurrency (1 when
+    repetitions first: one repetition, a client serves 2 requests at each concurrency (1 when
     decode-heavy: those all have one shape), the proofs run only in the default report (they check
-    the node, not the workload); then systems: no `--prefill-share 4` node, no `Llama` serial.
+    the node, not the workload); then systems: no `--prefill-share 4` node, no `Llama` serial, and
+    the 2-stage chain (its two stages sharing this machine's cores) only at c = 1 and 8: the
+    multi-host suite measures the chain as it is meant to run, one machine per stage.
     """
     plan = replace(base, workload=workload)
     decode, beside = workload != "prompt", named or workload != "prompt"
@@ -416,7 +420,7 @@ def plan_for(base: Plan, workload: str, model: Path, out: Path | None, *, named:
     if beside:
         plan = replace(plan, reps=1)
     if beside and base.mode == "full":
-        plan = replace(plan, per_client=1 if decode else 3, proofs=False, variants=False)
+        plan = replace(plan, per_client=1 if decode else 2, proofs=False, variants=False, chain_at=(1, 8))
     if out is not None:
         return replace(plan, out_dir=out)
     if beside:  # as `python -m bench` places them

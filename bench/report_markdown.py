@@ -111,7 +111,19 @@ is the same node started with `--prefill-share 4` (prefill may add four decode s
 to an iteration instead of one: more throughput, longer gaps between tokens). The nodes
 generate on their own (server-side `generate`, streamed, as `neuron-tai generate` does);
 the chain's head runs the token loop and splits its sessions into 2 micro-batches so both
-stages compute at once. The proofs' teacher-forced runs step token by token."""
+stages compute at once. The proofs' teacher-forced runs step token by token.{_chain_points(plan)}"""
+
+
+def _chain_points(plan: dict[str, Any]) -> str:
+    """Where the chain ran at some concurrencies only (a report beside the default one, for time)."""
+    at = plan.get("chain_at") or ()
+    if not at:
+        return ""
+    shown = ", ".join(map(str, at))
+    return (
+        f"\nFor time, the chain runs at c = {shown} only: its two stages share this machine's cores here,"
+        " and the multi-host suite measures it with a machine per stage."
+    )
 
 
 def _served(plan: dict[str, Any], n: int) -> str:

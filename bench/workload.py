@@ -39,6 +39,11 @@ class Workload:
     buckets: tuple[tuple[int, int], ...]
     max_new: int = 0
 
+    @property
+    def one_shape(self) -> bool:
+        """Every request alike: one prompt length and one generated length."""
+        return self.max_new > 0 and len(self.buckets) == 1 and self.buckets[0][0] == self.buckets[0][1]
+
 
 # Today's closed loop, prompt-heavy: mixed prompts of 8-256 tokens. Decode-heavy: 16-token prompts, 128 generated.
 PROMPT_HEAVY = Workload("prompt-heavy", (SHORT, MEDIUM, LONG))
