@@ -27,6 +27,7 @@ from engine.kernels import KERNEL_CHOICES
 from engine.kv_compaction import Compaction, compact
 from engine.llama_handles import LlamaContext, LlamaModel, SamplerChain, capture_llama_log, logged_buffers
 from engine.messages import Output
+from engine.window_pins import WindowPins, context_sequences
 from protocol.errors import ErrorCode, Fault
 from protocol.sampling import GREEDY, Sampling
 
@@ -174,10 +175,11 @@ class StageBackend:
         # With a capture block the last computed layer sees every row without outputs (neuron_tai/shard.py).
         self.capture_all = capture is not None and m.n_layer > self.info.n_layer
         params = context_params(config)
+        params.n_seq_max = context_sequences(config.n_seq_max, m.n_swa)  # with a pin sequence each
         if capture is not None:
             params.cb_eval = capture.callback
         if self.capture_all:
-            params.n_outputs_max = config.n_seq_max  # no output rows: no graph nor buffer for logits
+            params.n_outputs_max = params.n_seq_max  # no output rows: no graph nor buffer for logits
         try:
             with capture_llama_log() as lines:
                 self.ctx = LlamaContext(m, params)
@@ -188,6 +190,8 @@ class StageBackend:
         self._batch = BatchBuffer(config.n_batch, 0 if self.info.first else m.n_embd)
         self._capture = capture
         self._seqs: dict[int, _Sequence] = {}
+        pinned = params.n_seq_max > config.n_seq_max
+        self.pins = WindowPins(self.ctx, config.n_seq_max, m.n_swa) if pinned else None
         self.decode_seconds = 0.0  # time spent inside llama_decode, for overhead accounting
         self.decode_calls = 0
 
@@ -200,15 +204,15 @@ class StageBackend:
         """The logits buffer llama.cpp may grow to: a row per output row, and a last stage's calls
         ask for up to a whole batch of them (`out: "tokens"`: every row of a step)."""
         rows = 0 if self.capture_all else self.config.n_batch
-        return 4 * self.info.n_vocab * max(rows, self.config.n_seq_max)
+        return 4 * self.info.n_vocab * max(rows, self.ctx.n_seq_max)  # llama.cpp reserves a row per sequence id
 
     # -- sequences ---------------------------------------------------------------
 
     def open_sequence(self, sampling: Sampling = GREEDY) -> int:
         """Claim a free sequence id."""
-        free = next((s for s in range(self.ctx.n_seq_max) if s not in self._seqs), None)
+        free = next((s for s in range(self.config.n_seq_max) if s not in self._seqs), None)
         if free is None:
-            raise Fault(ErrorCode.SESSION_LIMIT, f"all {self.ctx.n_seq_max} sequences are in use")
+            raise Fault(ErrorCode.SESSION_LIMIT, f"all {self.config.n_seq_max} sequences are in use")
         sampler = None
         if self.info.last:
             sampler = SamplerChain(
@@ -222,6 +226,7 @@ class StageBackend:
         state = self._seqs.pop(seq, None)
         if state is None:
             return
+        self._unpin(seq)
         self.ctx.seq_rm(seq, 0, -1)
         if state.sampler is not None:
             state.sampler.close()
@@ -237,6 +242,7 @@ class StageBackend:
         state = self._seqs.pop(seq, None)
         if state is None:
             return 0
+        self._unpin(seq)
         self.ctx.seq_cp(seq, graveyard)
         self.ctx.seq_rm(seq, 0, -1)
         if state.sampler is not None:
@@ -252,6 +258,8 @@ class StageBackend:
         is left empty, at length 0: its session must be closed."""
         lengths = {seq: state.length for seq, state in self._seqs.items() if seq != graveyard}
         result = compact(self.ctx, lengths)
+        if self.pins is not None:
+            self.pins.forget()
         for seq in result.lost:
             self._seqs[seq].length = 0
         return result
@@ -267,8 +275,9 @@ class StageBackend:
         """Whether the cache still holds what recomputing from `pos` needs.
 
         Sliding-window layers keep only recent positions: llama.cpp reuses cells that slid
-        out of a window (unless `swa_full`), and a compaction copies only the window. A
-        token at `pos` attends to positions pos-n_swa+1..pos, which must still be there.
+        out of a window, and a compaction copies only the window. A token at `pos` attends
+        to positions pos-n_swa+1..pos, which must still be there. Undoing the last step is
+        always possible while its cells are pinned (engine/window_pins.py).
         """
         state = self._known(seq)
         if not 0 <= pos <= state.length:
@@ -294,12 +303,17 @@ class StageBackend:
             )
         held = 0
         if pos < state.length:
+            self._unpin(seq)  # the window is back where nothing it needs can be given away
             if hold_in is not None:
                 self.ctx.seq_cp(seq, hold_in, pos)
                 held = state.length - pos
             self.ctx.seq_rm(seq, pos, -1)
             state.length = pos
         return held
+
+    def _unpin(self, seq: int) -> None:
+        if self.pins is not None:
+            self.pins.release(seq)
 
     def _known(self, seq: int) -> _Sequence:
         state = self._seqs.get(seq)
@@ -372,6 +386,9 @@ class StageBackend:
             rows.append(r)
         if self._capture is not None:
             self._capture.reset()
+        if self.pins is not None:
+            for s in segments:
+                self.pins.before(s.seq, s.pos, s.n)
         started = time.perf_counter()
         rc = self.ctx.decode(self._batch.view())
         self.decode_seconds += time.perf_counter() - started
@@ -383,6 +400,9 @@ class StageBackend:
             for s in segments:
                 self.ctx.seq_rm(s.seq, self._seqs[s.seq].length, -1)
             raise DecodeFailed(DecodeOutcome.of(rc), rc)
+        if self.pins is not None:
+            for s in segments:
+                self.pins.after(s.seq, s.pos, s.n)
         return self._collect(segments, rows)
 
     def _collect(self, segments: Sequence[Segment], rows: list[range]) -> list[SegmentResult]:

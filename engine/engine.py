@@ -55,6 +55,7 @@ from engine.statistics import (
     wire_stats,
 )
 from engine.telemetry import Telemetry
+from engine.window_pins import context_sequences
 from protocol.errors import ErrorCode, Fault
 from protocol.stage import Stage
 
@@ -70,7 +71,8 @@ def plan_budgets(config: EngineConfig, facts: ModelFacts) -> tuple[Budgets, int]
     """Weights and KV from the model's shape, before llama.cpp allocates; raises BudgetError."""
     ctx = config.context()
     shape = KvShape(facts.k_widths, facts.v_widths, facts.swa, facts.n_swa)
-    layout = kv_layout(shape, ctx.n_ctx, ctx.n_seq_max, ctx.n_ubatch, KV_TYPES[ctx.kv_type][1], ctx.swa_full)
+    n_seqs = context_sequences(ctx.n_seq_max, facts.n_swa)  # the backend's: a window pin per sequence
+    layout = kv_layout(shape, ctx.n_ctx, n_seqs, ctx.n_ubatch, KV_TYPES[ctx.kv_type][1], ctx.swa_full)
     budgets = Budgets(facts.weights_bytes, layout.bytes, scratch_bytes=0)
     problems = budgets.violations(config.limits)
     if problems:
@@ -206,6 +208,12 @@ class Engine:
         return self._ends.subscribe()
 
     # -- what a node needs to know --------------------------------------------------
+
+    @property
+    def unpinned_window(self) -> int:
+        """The sliding window a step's drafts must stay inside (0: none): this stage pins what
+        undoing a step needs (engine/window_pins.py) unless llama.cpp lacks the sequence ids."""
+        return 0 if self.backend.pins is not None else self.info.n_swa
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         """Callable from any thread, during a decode too: llama.cpp's vocabulary is read-only

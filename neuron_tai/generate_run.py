@@ -159,11 +159,11 @@ class Generations:
 
     def _drafts(self, drafter: Drafter | None, progress: _Progress, rule: EndRule) -> list[int]:
         """Drafts for the next pass: none on the prompt's pass, none past `max_new` or `max_tokens`,
-        none that a sliding-window cache could not undo."""
+        none that an unpinned sliding-window cache could not undo."""
         if drafter is None or not progress.produced:
             return []
         room = min(rule.max_new - len(progress.produced), progress.max_tokens - progress.pos) - 1
-        room = window_room(room, progress.pos, self.engine.info.n_swa)
+        room = window_room(room, progress.pos, self.engine.unpinned_window)
         return drafter.draft(room) if room > 0 else []
 
     def _advance(

@@ -26,6 +26,7 @@ from neuron_tai.client import Client, Done, Generated, open_client
 from neuron_tai.config import NodeConfig
 from neuron_tai.drafting import Drafter, DraftPolicy
 from neuron_tai.node import open_node
+from neuron_tai.shard import write_stages
 from protocol.sampling import Sampling
 from tests.conftest import OpenBackend
 from tests.held import held_decodes, wait_until
@@ -159,6 +160,21 @@ async def test_greedy_speculation_is_token_identical_to_plain_generation(
     assert expected[0][0].passes is None and [d.passes is None for d in mixed] == [True, False, True, False]
     passes = sum(d[0].passes or 0 for d in alone)
     assert passes < 0.8 * 40 * len(REPEATS), passes  # speculation saved passes (else this proves nothing)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one node", "2-stage chain"])
+async def test_speculation_on_a_sliding_window_model_drafts_past_the_window_and_stays_exact(
+    split: bool, tiny_gemma: Path, model_dir: Path
+) -> None:
+    """The tiny gemma's window is 4 positions: every pass past the first few rewinds cells the
+    window has left, while other sessions' steps run between a verification and its rewind."""
+    models = write_stages(tiny_gemma, model_dir / "g3-spec", [(0, 3), (3, 6)]) if split else [tiny_gemma]
+    async with serving(models) as plain:
+        expected = [(await run_all(plain, [p], 40))[0] for p in REPEATS]
+    async with serving(models, speculate=4) as spec:
+        together = await run_all(spec, REPEATS, 40)
+    assert [d.tokens for d in together] == [d.tokens for d in expected]
+    assert sum(d.passes or 0 for d in together) < 40 * len(REPEATS)  # drafts were taken: passes were saved
 
 
 @pytest.mark.parametrize("cut", [1, 2, 5, 9, 17])
