@@ -27,7 +27,7 @@ bench-setup: setup
 # The model `just bench` measures beside its defaults' (a GGUF file or a shape: `just model=my.gguf bench`).
 model := ""
 
-# The whole bench (`python -m bench all`): gemma-3-270m and the Llama-3.2-1B shape, both workloads, the ceiling, then kernels, CURVE, stage costs, multi-host, gateway, chaos. `just bench quick`: the tiny model in under two minutes. `just bench --model PATH`: any GGUF.
+# The whole bench (`python -m bench all`): gemma-3-270m and the Llama-3.2-1B shape, both workloads, the ceiling, then kernels, CURVE, stage costs, multi-host for both models, the gateway, the pipeline figures and speculation (chaos: `just chaos`). `just bench quick`: the tiny model in under two minutes. `just bench --model PATH`: any GGUF.
 bench *args: bench-setup
     {{py}} -m bench all {{ replace_regex(args, '(^|\s)quick(\s|$)', '${1}--quick${2}') }} {{ if model != "" { "--model " + quote(model) } else { "" } }}
 

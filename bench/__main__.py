@@ -4,9 +4,9 @@ Each suite runs in a process of its own (its nodes and peers are stopped with it
 after another, and the time each took is printed. `all` is what `just bench` runs: the
 report on gemma-3-270m and on the Llama-3.2-1B shape, each with the prompt-heavy and the
 decode-heavy workload (each report also measures llama-batched-bench's ceiling), then
-kernels, CURVE, stage costs, multi-host for both models, the gateway, the pipeline figures
-and speculation. Chaos measures robustness, not speed: it is `just chaos`. With `--quick`,
-`all` is the quick report on the tiny test model.
+kernels, CURVE, stage costs, multi-host for both models, the gateway, speculation, and
+the pipeline figures (folded into the reports). Chaos measures robustness, not speed: it
+is `just chaos`. With `--quick`, `all` is the quick report on the tiny test model.
 
 `--model` takes a GGUF file, `gemma-3-270m` or a model shape (`llama-3.2-1b`, `llama-3.1-8b`;
 written once into ~/.cache/neuron-tai/shapes): every suite then measures that model, shards
@@ -62,7 +62,7 @@ SUITES = {
     "gateway": Suite("bench.gateway_bench", (), ("--quick",), "OpenAI gateway against llama-server's", "file",
                      "evidence/gateway.json"),
     "pipeline": Suite("bench.pipeline_evidence", (), None, "evidence/pipeline.json from the report and multihost"),
-    "attach": Suite("bench.attach", (), None, "fold gateway and pipeline into the report"),
+    "attach": Suite("bench.attach", (), None, "fold gateway, speculation and pipeline into the report"),
     "chaos": Suite("bench.chaos", ("full",), ("quick",), "hostile peers against nodes and chains; replicas "
                    "killed, hung and cut off"),
     "compaction": Suite("bench.kv_compaction", (), None, "what one KV compaction costs"),
@@ -94,11 +94,11 @@ FULL_SET: list[tuple[str, str | None]] = [
     ("multihost", None),
     ("multihost", SHAPE),
     ("gateway", None),
+    ("speculation", None),
     ("pipeline", None),
     ("attach", None),
     ("pipeline", SHAPE),
     ("attach", SHAPE),
-    ("speculation", None),
 ]
 FULL_EXTRA: dict[tuple[str, str | None], tuple[str, ...]] = {
     ("multihost", None): ("--per-client", "2", "--delays", "0,5", "--concurrency", "1,8,16"),
@@ -141,6 +141,8 @@ def command(name: str, model: str | None, quick: bool, out: Path | None) -> list
                 str(files / f"pipeline{tag}.json"),
                 "--gateway",
                 str(files / f"gateway{tag}.json"),
+                "--speculation",
+                str(files / f"speculation{tag}.json"),
             ]
         )
     return cmd

@@ -1,12 +1,13 @@
 """Fold the full run's later parts into the DGR-012 report, so one README holds every comparison.
 
 `just bench` runs the report first, then the parts with their own processes: the OpenAI
-gateway against llama-server's OpenAI endpoint (bench.gateway_bench) and the pipeline
-figures (bench.pipeline_evidence: `generate` against llama-server, scale-out across
-namespaces, latency tolerance). This copies their JSON into the report's `bench.json` under
-`gateway` and `pipeline` and redraws its README. A part that is missing is left out.
+gateway against llama-server's OpenAI endpoint (bench.gateway_bench), speculative generation
+(bench.speculation) and the pipeline figures (bench.pipeline_evidence: `generate` against
+llama-server, scale-out across namespaces, latency tolerance). This copies their JSON into
+the report's `bench.json` under `gateway`, `speculation` and `pipeline` and redraws its
+README. A part that is missing is left out.
 
-    python -m bench.attach [--report-dir DIR] [--gateway FILE] [--pipeline FILE]   # defaults: evidence/
+    python -m bench.attach [--report-dir DIR] [--gateway FILE] [--pipeline FILE] [--speculation FILE]
 """
 
 from __future__ import annotations
@@ -38,10 +39,11 @@ def main() -> int:
     parser.add_argument("--report-dir", type=Path, default=EVIDENCE / "DGR-012")
     parser.add_argument("--gateway", type=Path, default=EVIDENCE / "gateway.json")
     parser.add_argument("--pipeline", type=Path, default=EVIDENCE / "pipeline.json")
+    parser.add_argument("--speculation", type=Path, default=EVIDENCE / "speculation.json")
     args = parser.parse_args()
     path = args.report_dir / "bench.json"
     report = json.loads(path.read_text())
-    done = attach(report, {"gateway": args.gateway, "pipeline": args.pipeline})
+    done = attach(report, {"gateway": args.gateway, "pipeline": args.pipeline, "speculation": args.speculation})
     path.write_text(json.dumps(report, indent=1) + "\n")
     (args.report_dir / "README.md").write_text(report_markdown.render(report))
     print(f"attached {', '.join(done) or 'nothing'} to {shown(args.report_dir)}/bench.json and README.md")

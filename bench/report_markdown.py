@@ -37,6 +37,7 @@ def render(r: dict[str, Any]) -> str:
         _telemetry(r),
         _pipeline(r),
         _gateway(r),
+        _speculation(r),
         _compatibility(r),
         _limitations(r, tok),
         _next_step(r),
@@ -58,7 +59,8 @@ def named_tables(markdown: str, text: str) -> str:
     """`text` on its own line above every table, so a table copied out of the report still names its model."""
     out: list[str] = []
     for line in markdown.split("\n"):
-        if line.startswith("|") and not (out and out[-1].startswith("|")):
+        above = next((x for x in reversed(out) if x), "")
+        if line.startswith("|") and not above.startswith(("|", "Model `")):  # a table with no caption of its own
             if out and out[-1]:
                 out.append("")
             out += [text, ""]
@@ -257,6 +259,11 @@ def _ceiling(r: dict[str, Any], tok: dict[str, dict[int, float]], systems: list[
             _table(["", *[f"c={c}" for c in cs]], rows),
         ]
     )
+
+
+def _gateway_share(plan: dict[str, Any]) -> str:
+    k, n = plan.get("per_client", 0), plan["requests"]
+    return f"first {k}c of {n} requests at concurrency c" if k else f"{n} requests"
 
 
 def _ratio(a: float | None, b: float | None) -> str:
@@ -509,6 +516,42 @@ def _pipeline(r: dict[str, Any]) -> str:
     )
 
 
+_SPECULATION_KEYS = (
+    ("tok_s", 1), ("ratio", 3), ("itl_p50_ms", 1), ("accepted_per_pass", 2), ("passes_per_token", 3),
+    ("differing_tokens", 0),
+)  # fmt: skip
+
+
+def _speculation(r: dict[str, Any]) -> str:
+    """Speculative `generate` against `speculate: 0` (bench.speculation), where attached."""
+    s = r.get("speculation")
+    if s is None:
+        return ""
+    header = ["setup", "workload", "c", "speculate", "tok/s", "ratio", "ITL p50", "accepted/pass", "passes/token",
+              "differing tokens"]  # fmt: skip
+    measured = [*s["results"], *s["invariant_checks"]]
+    rows = [[x["setup"], x["workload"], str(x["c"]), str(x["speculate"]),
+             *(_f(x[k], d) for k, d in _SPECULATION_KEYS)] for x in measured]  # fmt: skip
+    return "\n".join(
+        [
+            "## Speculative generation (prompt lookup) against `speculate: 0`",
+            "",
+            f"From `evidence/speculation.json` of the same `just bench`: `{s['model']}`, {s['max_new']} new tokens "
+            f"a session, up to {s['speculate']} drafts a pass; a single node (2 threads) and a 2-stage chain "
+            f"(layers {s['chain2_layers']}, one thread each); ratio = tok/s against the `speculate: 0` arm of the "
+            "same point. Copy-heavy sessions are shown a source file and asked for it again (greedy); "
+            "non-repetitive ones answer open questions (sampled). Differing tokens in default mode are "
+            "near-tie rounding; the `-invariant` rows are batch-invariant nodes, where any is a mismatch.",
+            "",
+            f"Model `{s['model']}`, the suite's copy-heavy and non-repetitive workloads:",
+            "",
+            _table(header, rows),
+            "",
+            f"Mismatches in batch-invariant mode: **{s['invariant_mismatches']}**.",
+        ]
+    )
+
+
 def _gateway(r: dict[str, Any]) -> str:
     """The OpenAI gateway against llama-server's OpenAI endpoint (bench.gateway_bench), where attached."""
     g = r.get("gateway")
@@ -533,7 +576,7 @@ def _gateway(r: dict[str, Any]) -> str:
         "## OpenAI gateway against llama-server's OpenAI endpoint",
         "",
         f"From `evidence/gateway.json` of the same `just bench` (`{command}`). Every system gets the same "
-        f"{plan['requests']} requests (token-id prompts up to {plan['max_prompt']} tokens, "
+        f"{_gateway_share(plan)} (token-id prompts up to {plan['max_prompt']} tokens, "
         f"{plan['max_new']} tokens each, greedy, end-of-text ignored) through `POST /v1/completions` "
         "with `stream: true`, from concurrent clients in a closed loop, a new HTTP connection per request. "
         "Aggregate tok/s counts completion tokens over wall time; TTFT is the first streamed text.",
