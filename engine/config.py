@@ -159,8 +159,8 @@ class EngineConfig:
     linger_ms: float = field(
         default=6.0,
         metadata={
-            "help": "wait this long (at most 10% of a step) for answered sessions' next steps, so they share "
-            "the next batch",
+            "help": "wait this long (at most 10% of a step; a chain's head: up to a step, 0: never) for "
+            "answered sessions' next steps, so they share the next batch",
             "group": "tuning",
             "min": 0,
         },

@@ -276,6 +276,7 @@ class Engine:
                 plan = self.scheduler.plan(budget)
                 if plan is None:
                     await self._wait_for_work()
+                    await self._linger()  # a group coming back (from the next stage) comes back whole
                     continue
                 self._forget_late(plan)
                 for i, call in enumerate(plan.calls):
@@ -345,7 +346,7 @@ class Engine:
         """
         await trio.lowlevel.checkpoint()  # in-process requesters answer within one checkpoint
         self._drain_inbox()
-        limit = min(self.config.linger_ms, 0.1 * self.scheduler.estimates.step_ms) / 1000
+        limit = self._linger_limit_s()
         if not self.info.first or limit <= 0 or not self._lingering():
             return
         started = time.perf_counter()
@@ -354,6 +355,18 @@ class Engine:
                 request, reply = await self._inbox.receive()
                 self._take(request, reply)
         self.telemetry.linger_seconds_total += time.perf_counter() - started
+
+    def _linger_limit_s(self) -> float:
+        """How long to wait for sessions expected back: at most 10% of a step (`linger_ms` caps it),
+        except on a chain's head, whose groups come back from the next stage together: there a
+        group is worth up to a step of waiting, since running part of it costs a call of its own
+        and leaves the rest out of phase for good."""
+        step_ms = self.scheduler.estimates.step_ms
+        if self.config.linger_ms <= 0:
+            return 0.0
+        if self.scheduler.config.micro_batches > 1:
+            return step_ms / 1000
+        return min(self.config.linger_ms, 0.1 * step_ms) / 1000
 
     def _lingering(self) -> bool:
         """Whether every group with work still expects some of its members back."""
