@@ -59,7 +59,10 @@ class Plan:
         return requests[: self.per_client * c] if self.per_client else requests
 
 
-FULL = Plan(16, 32, 256, (1, 2, 4, 8, 16), kv_cells=4096, ctx_per_slot=512, per_client=4)
+FULL = Plan(
+    requests=16, max_new=32, max_prompt=256, concurrencies=(1, 2, 4, 8, 16), kv_cells=4096, ctx_per_slot=512,
+    per_client=4,
+)  # fmt: skip
 QUICK = Plan(requests=16, max_new=8, max_prompt=64, concurrencies=(1, 2, 4, 8, 16), kv_cells=2048, ctx_per_slot=256)
 
 
