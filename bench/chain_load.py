@@ -25,7 +25,7 @@ import trio
 
 from bench.latency import summarize
 from bench.node_driver import closed_loop
-from bench.workload import CORPUS, WORKLOADS, make_requests
+from bench.workload import CORPUS, WORKLOADS, first_per_client, make_requests
 from neuron_tai.client import open_client
 
 WARM_TOKENS = 4  # the unmeasured warm-up request's: its prompt's prefill warms the weights' pages
@@ -53,7 +53,7 @@ async def run(
         warm, _ = await closed_loop(client, [replace(requests[0], max_new=min(WARM_TOKENS, max_new))], 1, f"{tag}-warm")
         runs = []
         for c in concurrencies:
-            share = requests[: per_client * c] if per_client else requests
+            share = first_per_client(requests, per_client, c)
             traces, wall = await closed_loop(client, share, c, f"{tag}-c{c}")
             runs.append({"concurrency": c, **summarize(traces, wall), "tokens": {t.rid: t.tokens for t in traces}})
     warm_tokens = sum(len(t.tokens) for t in warm)  # computed by the nodes too, before the runs

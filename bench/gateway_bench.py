@@ -36,7 +36,7 @@ from bench.llama_server import cached_binary, ensure_llama_server
 from bench.node_driver import generate, run_closed_loop
 from bench.processes import Processes, free_ports, node_ready, open_processes, serve_command
 from bench.server_peer import healthy, server_command
-from bench.workload import CORPUS, Request, make_requests
+from bench.workload import CORPUS, Request, first_per_client, make_requests
 from engine.llama_handles import weight_placement
 from neuron_tai.client import open_client
 from neuron_tai.shard import weight_balanced_bounds, write_stages
@@ -54,9 +54,6 @@ class Plan:
     kv_cells: int
     ctx_per_slot: int
     per_client: int = 0  # at concurrency c, the first per_client x c requests (0: all of them)
-
-    def share(self, requests: list[Request], c: int) -> list[Request]:
-        return requests[: self.per_client * c] if self.per_client else requests
 
 
 FULL = Plan(
@@ -247,7 +244,7 @@ def main() -> int:
         urls, single = start(procs, model, plan, args.quick)
         requests = trio.run(workload, single, plan)
         for c in plan.concurrencies:  # systems interleaved at each concurrency: drift hits all alike
-            share = plan.share(requests, c)
+            share = first_per_client(requests, plan.per_client, c)
             for system, url in urls.items():
                 if system == DIRECT:
                     row = trio.run(direct_loop, url, share, c)
@@ -260,7 +257,7 @@ def main() -> int:
                     flush=True,
                 )
         calls = {s: trio.run(node_calls, u) for s, u in urls.items() if s.startswith("gateway")}
-    served = sum(len(plan.share(requests, c)) for c in plan.concurrencies)
+    served = sum(len(first_per_client(requests, plan.per_client, c)) for c in plan.concurrencies)
     per_request = {s: {op: round(n / served, 3) for op, n in c.items()} for s, c in calls.items()}
     print(f"node calls per request (/metrics, the gateway's own scrapes included): {per_request}", flush=True)
     ratios = {

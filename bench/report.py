@@ -58,7 +58,7 @@ from bench.server_peer import healthy, server_command, weight_buffers
 from bench.stats_sampler import StatsSampler
 from bench.systems import ALL, BARE, CHAIN, NODE_FAST, PYTHON, SERVER
 from bench.systems import NODE as SINGLE
-from bench.workload import CORPUS, WORKLOADS, Request, make_requests
+from bench.workload import CORPUS, WORKLOADS, Request, first_per_client, make_requests
 from engine.backend import ContextConfig
 from engine.llama_handles import weight_placement
 from neuron_tai.client import open_client
@@ -366,7 +366,7 @@ async def sweep(
             tag = f"{system.replace(' ', '')}-c{c}-r{rep}"
             hit = [n for n in due if n in NEEDS[system]]
             due = [n for n in due if n not in hit]  # a system's process crashes once its run is under way
-            share = requests[: plan.per_client * c or None]
+            share = first_per_client(requests, plan.per_client, c)
             run = partial(runs[system], share, c, tag, partial(crash_all, hit))
             got = await while_alive(procs, NEEDS[system], f"{system} c={c}", run)
             sampler.phase = "idle"
@@ -420,7 +420,8 @@ def plan_for(base: Plan, workload: str, model: Path, out: Path | None, *, named:
     if beside:
         plan = replace(plan, reps=1)
     if beside and base.mode == "full":
-        plan = replace(plan, per_client=1 if decode else 2, proofs=False, variants=False, chain_at=(1, 8))
+        one_shape = WORKLOADS[workload].one_shape  # every request alike: one per client measures them
+        plan = replace(plan, per_client=1 if one_shape else 2, proofs=False, variants=False, chain_at=(1, 8))
     if out is not None:
         return replace(plan, out_dir=out)
     if beside:  # as `python -m bench` places them

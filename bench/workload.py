@@ -64,6 +64,12 @@ class Request:
         return len(self.prompt) + self.max_new
 
 
+def first_per_client(requests: list[Request], per_client: int, concurrency: int) -> list[Request]:
+    """What a run at `concurrency` serves: the first `per_client` requests per client (0: all of them).
+    Every system gets the same ones, so cutting them cuts repetitions, not comparisons."""
+    return requests[: per_client * concurrency] if per_client else requests
+
+
 def make_requests(
     corpus: list[int],
     n: int,

@@ -37,6 +37,7 @@ from engine.config import EngineConfig
 from engine.executor import Executor, IterationRecord
 from engine.gguf_facts import ModelFacts, read_facts
 from engine.kernels import INVARIANT_PAD_ROWS
+from engine.linger import linger_limit_s, lingering
 from engine.messages import Cleanup, Closed, CloseRequest, OpenRequest, Result, SessionEnd, StepRequest
 from engine.process_memory import resident_memory
 from engine.replies import Reply
@@ -346,7 +347,9 @@ class Engine:
         """
         await trio.lowlevel.checkpoint()  # in-process requesters answer within one checkpoint
         self._drain_inbox()
-        limit = self._linger_limit_s()
+        limit = linger_limit_s(
+            self.config.linger_ms, self.scheduler.estimates.step_ms, self.scheduler.config.micro_batches
+        )
         if not self.info.first or limit <= 0 or not self._lingering():
             return
         started = time.perf_counter()
@@ -356,24 +359,8 @@ class Engine:
                 self._take(request, reply)
         self.telemetry.linger_seconds_total += time.perf_counter() - started
 
-    def _linger_limit_s(self) -> float:
-        """How long to wait for sessions expected back: at most 10% of a step (`linger_ms` caps it),
-        except on a chain's head, whose groups come back from the next stage together: there a
-        group is worth up to a step of waiting, since running part of it costs a call of its own
-        and leaves the rest out of phase for good."""
-        step_ms = self.scheduler.estimates.step_ms
-        if self.config.linger_ms <= 0:
-            return 0.0
-        if self.scheduler.config.micro_batches > 1:
-            return step_ms / 1000
-        return min(self.config.linger_ms, 0.1 * step_ms) / 1000
-
     def _lingering(self) -> bool:
-        """Whether every group with work still expects some of its members back."""
-        sessions = self.scheduler.sessions
-        expected = {sessions[key].group for key in self.sessions.coming_back if key in sessions}
-        ready = {s.group for s in sessions.values() if s.step is not None}
-        return bool(expected) and ready <= expected
+        return lingering(self.scheduler.sessions, self.sessions.coming_back)
 
     def _forget_late(self, plan: Plan) -> None:
         """The groups about to run stop waiting for their members that are not back: those are late."""

@@ -1,0 +1,32 @@
+"""Linger policy (pure): how long the loop waits for answered sessions, and whether it should."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from engine.linger import linger_limit_s, lingering
+from engine.scheduler import Session, Step
+
+
+@given(st.floats(-5, 100), st.floats(0, 10_000), st.integers(1, 8))
+def test_the_wait_is_bounded_by_a_step_and_off_at_zero(linger_ms: float, step_ms: float, groups: int) -> None:
+    limit = linger_limit_s(linger_ms, step_ms, groups)
+    if linger_ms <= 0:
+        assert limit == 0
+    elif groups > 1:  # a chain's head: a group coming back is worth up to a step
+        assert limit == step_ms / 1000
+    else:
+        assert 0 <= limit <= min(linger_ms, 0.1 * step_ms) / 1000
+
+
+def session(name: str, group: int, ready: bool) -> Session[None]:
+    step = Step((None, name), 0, 1, 0, 0, None) if ready else None
+    return Session((None, name), 64, 0.0, group=group, step=step)
+
+
+def test_a_group_waits_while_any_of_its_members_is_out_and_not_once_another_group_is_whole() -> None:
+    sessions = {s.key: s for s in (session("a", 0, True), session("b", 0, False), session("c", 1, False))}
+    assert lingering(sessions, {(None, "b"), (None, "c")})  # group 0 has work, b is still out
+    assert not lingering(sessions, {(None, "c")})  # group 0 is whole: it runs, whatever group 1 does
+    assert not lingering(sessions, set())  # nobody expected
