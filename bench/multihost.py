@@ -12,7 +12,9 @@ says so.
   of each workload (bench/workload.py: prompt-heavy, and decode-heavy with 16-token prompts
   and 128 new tokens), the node running the token loop (server-side `generate`);
   efficiency = chain tok/s / (2 x single-node tok/s). The chain's layer split is
-  `chain_bounds`'s.
+  `chain_bounds`'s. The single node also runs at half of each concurrency: a chain at c
+  computes c/2 rows per call on each stage (two micro-batches), so single(c/2) / single(c)
+  bounds its efficiency (`batching_bound`); `share_of_bound` is how much of it the chain got.
 - Latency tolerance: the same chain with each one-way delay on both links (client<->head
   and head<->tail), at concurrency 8: tok/s, inter-token p50/p99. Each delay is checked by
   pinging through the proxy and past it on both links (added round trip: 2 x delay).
@@ -60,6 +62,8 @@ SCALE_COLUMNS = [
     "single_tok_s",
     "chain_tok_s",
     "efficiency",
+    "batching_bound",
+    "share_of_bound",
     "single_ms_per_token",
     "chain_ms_per_token",
     "head_compute_ms",
@@ -281,16 +285,38 @@ def cost_per_token(one: dict[str, Any], two: dict[str, Any], spent: dict[str, di
     }
 
 
+def halves(concurrencies: tuple[int, ...]) -> list[int]:
+    """The concurrencies the single node also runs at, unswept, for the micro-batching bound at 2x."""
+    return sorted({c // 2 for c in concurrencies if c >= 2 and c % 2 == 0} - set(concurrencies))
+
+
+def batching_bound(half_tok_s: float | None, full_tok_s: float) -> float | None:
+    """The best efficiency a 2-stage chain has at concurrency c: its head splits the c sessions
+    into 2 micro-batches so both stages compute at once, so each stage computes c/2 rows per
+    call. With perfectly balanced stages, no hop and no other cost, the chain makes 2x the
+    single node's tok/s at c/2; efficiency is measured against 2x its tok/s at c."""
+    if not half_tok_s or not full_tok_s:
+        return None
+    return round(half_tok_s / full_tok_s, 3)
+
+
 def scale_out(cluster: Cluster, nodes: Nodes, workload: str) -> dict[str, Any]:
-    """The chain (two cores) against the single node (one core), each concurrency alternating between them."""
-    rows, raw = [], []
-    for c in cluster.plan.concurrencies:
+    """The chain (two cores) against the single node (one core), each concurrency alternating between them;
+    the single node also at half of each concurrency, for the micro-batching bound."""
+    rows, raw, single = [], [], {}
+    extra = halves(cluster.plan.concurrencies)
+    for c in sorted([*cluster.plan.concurrencies, *extra]):
+        if c in extra:
+            single[c] = cluster.load(nodes.single, (c,), f"single-{workload}-c{c}", workload)[0]
+            raw.append({"system": "single", **single[c]})
+            continue
         before = nodes.counters(cluster)
-        one = cluster.load(nodes.single, (c,), f"single-{workload}-c{c}", workload)[0]
+        one = single[c] = cluster.load(nodes.single, (c,), f"single-{workload}-c{c}", workload)[0]
         two = cluster.load(nodes.head, (c,), f"chain-{workload}-c{c}", workload)[0]
         after = nodes.counters(cluster)
         raw += [{"system": "single", **one}, {"system": "chain2", **two}]
-        efficiency = two["tok_s"] / (2 * one["tok_s"]) if one["tok_s"] else None
+        efficiency = round(two["tok_s"] / (2 * one["tok_s"]), 3) if one["tok_s"] else None
+        bound = batching_bound(single[c // 2]["tok_s"] if c // 2 in single else None, one["tok_s"])
         spent = {name: {k: after[name][k] - v for k, v in was.items()} for name, was in before.items()}
         rows.append(
             {
@@ -298,7 +324,9 @@ def scale_out(cluster: Cluster, nodes: Nodes, workload: str) -> dict[str, Any]:
                 "concurrency": c,
                 "single_tok_s": one["tok_s"],
                 "chain_tok_s": two["tok_s"],
-                "efficiency": round(efficiency, 3) if efficiency is not None else None,
+                "efficiency": efficiency,
+                "batching_bound": bound,
+                "share_of_bound": round(efficiency / bound, 3) if efficiency and bound else None,
                 **cost_per_token(one, two, spent),
             }
         )

@@ -40,6 +40,7 @@ def gather(report: dict[str, Any], multihost: dict[str, Any]) -> dict[str, Any]:
             "chain_tok_s": r["chain_tok_s"],
             "one_core_tok_s": r["single_tok_s"],
             "efficiency": r["efficiency"],
+            "batching_bound": r.get("batching_bound"),
         }
         for r in multihost["scale_out"]["rows"]
     ]

@@ -22,7 +22,7 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -37,7 +37,7 @@ from engine.config import EngineConfig
 from engine.executor import Executor, IterationRecord
 from engine.gguf_facts import ModelFacts, read_facts
 from engine.kernels import INVARIANT_PAD_ROWS
-from engine.linger import linger_limit_s, lingering
+from engine.linger import SETTLE_GAP_S, linger_limit_s, lingering, settling
 from engine.messages import Cleanup, Closed, CloseRequest, OpenRequest, Result, SessionEnd, StepRequest
 from engine.process_memory import resident_memory
 from engine.replies import Reply
@@ -123,6 +123,7 @@ class Engine:
         self.iterations = self.executor.iterations
         self._inbox_send, self._inbox = trio.open_memory_channel[tuple[Queued, Reply]](config.inbox_size)
         self._queued: Counter[Any] = Counter()  # requests in the inbox, by owner
+        self._last_step_at = -math.inf  # when the last step came in: a burst under way?
         self._cleanups = CleanupQueue()
         # Once: asking llama.cpp about every vocabulary entry takes a while on large vocabularies.
         self.eog_tokens = frozenset(t for t in range(self.info.n_vocab) if backend.model.is_eog(t))
@@ -165,6 +166,8 @@ class Engine:
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             return counted(Fault(ErrorCode.SHUTTING_DOWN, "the node has stopped"))
         self._queued[request.owner] += 1
+        if isinstance(request, StepRequest):
+            self._last_step_at = trio.current_time()
         return None
 
     def _taken(self, request: Queued) -> None:
@@ -342,22 +345,36 @@ class Engine:
 
         Lingering ends as soon as some group of sessions (a micro-batch) has work and none of
         its members is still expected: one group's stragglers never hold up another group
-        that is ready. A stage fed by another stage does not linger: its upstream sets the
-        rhythm, and a session it answered comes back only after the upstream computed again.
+        that is ready. A stage fed by another stage does not wait for its sessions (its
+        upstream sets the rhythm): it only takes the rest of a burst under way (`settling`).
         """
         await trio.lowlevel.checkpoint()  # in-process requesters answer within one checkpoint
         self._drain_inbox()
-        limit = linger_limit_s(
-            self.config.linger_ms, self.scheduler.estimates.step_ms, self.scheduler.config.micro_batches
-        )
-        if not self.info.first or limit <= 0 or not self._lingering():
+        micro_batches = self.scheduler.config.micro_batches if self.info.first else 1
+        limit = linger_limit_s(self.config.linger_ms, self.scheduler.estimates.step_ms, micro_batches)
+        if self.info.first:
+            await self._take_while(self._lingering, limit, math.inf)
+        else:
+            await self._take_while(self._settling, limit, SETTLE_GAP_S)
+
+    async def _take_while(self, waiting: Callable[[], bool], limit_s: float, gap_s: float) -> None:
+        """Take requests while `waiting()`, for at most `limit_s`, and while each next one
+        comes within `gap_s`."""
+        if limit_s <= 0 or not waiting():
             return
         started = time.perf_counter()
-        with trio.move_on_after(limit):
-            while self._lingering():
-                request, reply = await self._inbox.receive()
-                self._take(request, reply)
+        with trio.move_on_after(limit_s):
+            while waiting():
+                got = None
+                with trio.move_on_after(gap_s):
+                    got = await self._inbox.receive()
+                if got is None:
+                    break
+                self._take(*got)
         self.telemetry.linger_seconds_total += time.perf_counter() - started
+
+    def _settling(self) -> bool:
+        return settling(self.scheduler.sessions, trio.current_time() - self._last_step_at, SETTLE_GAP_S)
 
     def _lingering(self) -> bool:
         return lingering(self.scheduler.sessions, self.sessions.coming_back)

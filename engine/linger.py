@@ -28,3 +28,18 @@ def lingering(sessions: Mapping[SessionKey, Session[Any]], coming_back: Collecti
     expected = {sessions[key].group for key in coming_back if key in sessions}
     ready = {s.group for s in sessions.values() if s.step is not None}
     return bool(expected) and ready <= expected
+
+
+SETTLE_GAP_S = 0.001  # a burst's messages come closer than this; a pause this long ends it
+
+
+def settling(sessions: Mapping[SessionKey, Session[Any]], since_last_step_s: float, gap_s: float) -> bool:
+    """On a stage fed by another: whether to keep taking steps before computing.
+
+    The stage above sends a micro-batch as one message per session, so its steps arrive as a
+    burst; a call started on the first of them would hold the core while the rest come in,
+    and the rest would need a call of their own. Wait while a burst is under way (the last
+    step came less than `gap_s` ago) and some session still has no step here."""
+    if since_last_step_s >= gap_s:
+        return False
+    return any(s.step is None for s in sessions.values()) and any(s.step is not None for s in sessions.values())

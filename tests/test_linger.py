@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.linger import linger_limit_s, lingering
+from engine.linger import SETTLE_GAP_S, linger_limit_s, lingering, settling
 from engine.scheduler import Session, Step
 
 
@@ -30,3 +30,12 @@ def test_a_group_waits_while_any_of_its_members_is_out_and_not_once_another_grou
     assert lingering(sessions, {(None, "b"), (None, "c")})  # group 0 has work, b is still out
     assert not lingering(sessions, {(None, "c")})  # group 0 is whole: it runs, whatever group 1 does
     assert not lingering(sessions, set())  # nobody expected
+
+
+@given(st.lists(st.booleans(), max_size=6), st.floats(0, 0.01))
+def test_a_stage_fed_by_another_settles_only_inside_a_burst_with_someone_still_out(
+    ready: list[bool], since_last_s: float
+) -> None:
+    sessions = {s.key: s for s in (session(str(i), 0, r) for i, r in enumerate(ready))}
+    got = settling(sessions, since_last_s, SETTLE_GAP_S)
+    assert got == (since_last_s < SETTLE_GAP_S and any(ready) and not all(ready))

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.multihost import batching_bound, halves
 from tests.nodes import alive
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -22,6 +23,14 @@ needs_namespaces = pytest.mark.skipif(
     shutil.which("ip") is None or os.geteuid() != 0,
     reason="needs root and the `ip` command (iproute2) to create network namespaces and veth links",
 )
+
+
+def test_the_single_node_also_runs_at_the_halves_the_sweep_lacks() -> None:
+    assert halves((1, 8, 16)) == [4]
+    assert halves((1, 2, 4, 8, 16)) == []
+    assert halves((1, 3)) == []
+    assert batching_bound(None, 10.0) is None
+    assert batching_bound(7.0, 10.0) == 0.7
 
 
 def leftovers(tag: str) -> list[str]:
@@ -58,6 +67,11 @@ def test_quick_chain_across_namespaces_matches_single_node_and_leaves_nothing(tm
     assert all(r["tokens"] == solo for r in chain_runs)
     assert report["chain_token_mismatches"] == 0
     assert [r["concurrency"] for r in report["scale_out"]["rows"]] == [1, 8]
+    singles = {r["concurrency"]: r for r in report["scale_out"]["runs"] if r["system"] == "single"}
+    assert sorted(singles) == [1, 4, 8]  # 4: half of 8, for the micro-batching bound
+    one, eight = report["scale_out"]["rows"]
+    assert one["batching_bound"] is None  # one session: no micro-batches
+    assert eight["batching_bound"] == round(singles[4]["tok_s"] / singles[8]["tok_s"], 3)
 
     names = {p["name"] for p in report["processes"]}
     assert names >= {"single", "head", "tail", "head-2ms", "proxy-client-s0-2ms", "proxy-s0-s1-2ms"}
