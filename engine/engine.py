@@ -36,6 +36,7 @@ from engine.compute_thread import ComputeThread
 from engine.config import EngineConfig
 from engine.executor import Executor, IterationRecord
 from engine.gguf_facts import ModelFacts, read_facts
+from engine.inbox_wait import take_while
 from engine.kernels import INVARIANT_PAD_ROWS
 from engine.linger import SETTLE_GAP_S, linger_limit_s, lingering, settling
 from engine.messages import Cleanup, Closed, CloseRequest, OpenRequest, Result, SessionEnd, StepRequest
@@ -358,19 +359,10 @@ class Engine:
             await self._take_while(self._settling, limit, SETTLE_GAP_S)
 
     async def _take_while(self, waiting: Callable[[], bool], limit_s: float, gap_s: float) -> None:
-        """Take requests while `waiting()`, for at most `limit_s`, and while each next one
-        comes within `gap_s`."""
         if limit_s <= 0 or not waiting():
             return
         started = time.perf_counter()
-        with trio.move_on_after(limit_s):
-            while waiting():
-                got = None
-                with trio.move_on_after(gap_s):
-                    got = await self._inbox.receive()
-                if got is None:
-                    break
-                self._take(*got)
+        await take_while(self._inbox, lambda got: self._take(*got), waiting, limit_s, gap_s)
         self.telemetry.linger_seconds_total += time.perf_counter() - started
 
     def _settling(self) -> bool:
