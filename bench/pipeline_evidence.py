@@ -1,6 +1,6 @@
 """evidence/pipeline.json: the pipeline figures of one `just bench`, gathered from its reports.
 
-Server-side `generate` on a single node against `llama-server -np 8` comes from the
+Server-side `generate` on a single node against `llama-server -np 16` comes from the
 DGR-012 report (bench.report); scale-out and latency tolerance from the multi-host bench
 (bench.multihost); mismatches are the report's bit-exact proofs (batch-invariant nodes,
 generating, the chain pipelined in micro-batches).

@@ -1,7 +1,7 @@
 """`just bench`: the node against what users would otherwise run, with proof that sessions never mix.
 
 One run, on real processes over loopback: a single node and a 2-stage chain (each also in
-batch-invariant mode), llama.cpp's `llama-server -np 8`, llama-cpp-python's `Llama`
+batch-invariant mode), llama.cpp's `llama-server -np 16`, llama-cpp-python's `Llama`
 serving requests one after another, and the bare llama_decode loop. The same seeded
 prompts of mixed lengths and token counts go to each at concurrency 1, 2, 4, 8 and 16.
 Then the corruption proof, a burst beyond the node's limits, and the report in
@@ -56,7 +56,7 @@ from bench.python_peer import PythonPeer, open_llama, run_serial
 from bench.server_peer import closed_loop as server_loop
 from bench.server_peer import healthy, server_command, weight_buffers
 from bench.stats_sampler import StatsSampler
-from bench.systems import ALL, BARE, CHAIN, NODE_FAST, PYTHON, SERVER
+from bench.systems import ALL, BARE, CHAIN, NODE_FAST, PYTHON, SERVER, SLOTS
 from bench.systems import NODE as SINGLE
 from bench.workload import CORPUS, WORKLOADS, Request, first_per_client, make_requests
 from engine.backend import ContextConfig
@@ -114,7 +114,7 @@ QUICK = Plan(
     burst_queue_bytes=256,
     out_dir=WORK / "DGR-012-quick",
 )
-MAX_SESSIONS = 8
+PROOF_SESSIONS = 8  # the corruption proof's primaries, each beside a partner of its own
 
 
 # -- set-up ---------------------------------------------------------------------------
@@ -177,7 +177,7 @@ def start_all(
             say(f"started {name}: {address}")
         return address
 
-    limits = ["--max-sessions", str(MAX_SESSIONS), "--max-waiting", str(MAX_SESSIONS), "--kv-cells", str(plan.kv_cells)]
+    limits = ["--max-sessions", str(SLOTS), "--max-waiting", str(SLOTS), "--kv-cells", str(plan.kv_cells)]
     invariant = ["--batch-invariant"] + (["--flash-attn", "on"] if plan.mode == "quick" else [])
     single = serve("single", model, ports[0], 2, limits)
     fast = [*limits, "--prefill-share", "4"]
@@ -198,7 +198,7 @@ def start_all(
         say(f"llama-server: {note}")
     else:
         port = ports[7]
-        cmd = server_command(binary, model, port, MAX_SESSIONS, plan.ctx_per_slot, 2, weight_placement(model))
+        cmd = server_command(binary, model, port, SLOTS, plan.ctx_per_slot, 2, weight_placement(model))
         if procs.start("llama-server", faults.command("llama-server", cmd), lambda _log: healthy(port)):
             say(f"started llama-server: http://127.0.0.1:{port} ({note})")
     return Nodes(single, head, tail, single_fast, single_inv, head_inv, burst_node, port, note)
@@ -351,6 +351,8 @@ async def sweep(
     if llm is not None:
         runs[PYTHON] = python_run
     systems = [s for s in (SINGLE, NODE_FAST, CHAIN, SERVER, BARE) if s in runs]
+    await warm_up(runs, systems, requests[0], procs)
+    used.clear()
     for c in plan.concurrencies:
         due = faults.due(c)
         for name in due:  # a process no swept system needs crashes as the sweep reaches c
@@ -377,12 +379,21 @@ async def sweep(
     return result
 
 
+async def warm_up(runs: dict[str, Run], systems: list[str], request: Request, procs: Processes) -> None:
+    """One short request per system before anything is measured: a process's first calls pay
+    once for the pages and buffers they touch, which would otherwise land on c=1 alone."""
+    warm = [replace(request, max_new=4)]
+    for system in systems:
+        run = partial(runs[system], warm, 1, f"warm-up-{system.replace(' ', '')}", lambda: None)
+        await while_alive(procs, NEEDS[system], f"{system} warm-up", run)
+
+
 async def proofs(
     plan: Plan, nodes: Nodes, procs: Processes, requests: list[Request]
 ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
     """The corruption proof on the batch-invariant nodes, then the burst beyond the burst node's limits."""
-    primary = requests[:MAX_SESSIONS]
-    partners = [replace(r, rid=100 + r.rid) for r in requests[MAX_SESSIONS : 2 * MAX_SESSIONS]]
+    primary = requests[:PROOF_SESSIONS]
+    partners = [replace(r, rid=100 + r.rid) for r in requests[PROOF_SESSIONS : 2 * PROOF_SESSIONS]]
     proof = partial(invariant_proof, nodes.single_inv, nodes.chain_inv, primary, partners)
     invariant = await while_alive(procs, PROOF_NODES, "the corruption proof", proof)
     burst_requests = [replace(requests[i % len(requests)], rid=200 + i) for i in range(24)]
@@ -457,7 +468,7 @@ async def run(plan: Plan, model: Path, nodes: Nodes, procs: Processes, faults: F
         kernels = await kernel_paths(procs, nodes, bare, llm)
         watched = {"single": nodes.single, "chain2-head": nodes.chain, "chain2-tail": nodes.chain_tail}
         sampler = StatsSampler({name: address for name, address in watched.items() if procs.alive([name])})
-        primary = requests[:MAX_SESSIONS]
+        primary = requests[:PROOF_SESSIONS]
         async with trio.open_nursery() as nursery:
             await nursery.start(sampler.run)
             result = await sweep(plan, nodes, requests, sampler, bare, llm, procs, faults)
@@ -533,7 +544,7 @@ def main() -> int:
         "workload_name": WORKLOADS[plan.workload].name,
         "chain2_shards": [s.name for s in shards],
         "llama_server": nodes.server_note,
-        "sessions_max": MAX_SESSIONS,
+        "sessions_max": SLOTS,
         "ceiling": ceiling,
         **payload,
     }

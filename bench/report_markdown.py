@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from bench.aggregate import SATURATION_SHARE, mean_by, saturation
-from bench.systems import ALL, BARE, CHAIN, NODE, NODE_FAST, PYTHON, SERVER
+from bench.systems import ALL, BARE, CHAIN, NODE, NODE_FAST, PYTHON, SERVER, SLOTS
 
 
 def _f(v: Any, digits: int = 1) -> str:
@@ -213,7 +213,7 @@ def _throughput(r: dict[str, Any], tok: dict[str, dict[int, float]], systems: li
     for mine, name in ((NODE, "node"), (NODE_FAST, "node, prefill-share 4")):
         for other, label in (
             (BARE, "bare llama_decode (ceiling)"),
-            (SERVER, "llama-server -np 8"),
+            (SERVER, SERVER),
             (PYTHON, "Llama serial"),
         ):
             if mine in tok and other in tok:
@@ -502,7 +502,7 @@ def _pipeline(r: dict[str, Any]) -> str:
             "sweep above; scale-out and latency come from the multi-host part: "
             f"{p['topology']}; each stage pinned to its own core with one thread.",
             "",
-            "### `generate` on a single node against `llama-server -np 8`",
+            f"### `generate` on a single node against `{SERVER}`",
             "",
             _table(["c", "node tok/s", "llama-server tok/s", "ratio"], versus),
             "",
@@ -629,7 +629,7 @@ def _compatibility(r: dict[str, Any]) -> str:
             "`ignore_eos: true`, streaming; `Llama.generate` with `top_k=1, temp=0` and a reset "
             "between requests; llama.cpp's batch API for the bare loop).",
             f"- llama-server: {r['llama_server']}. Same vendored llama.cpp as the node, static build, "
-            "`-fa on`, `--cache-ram 0`, one slot per session (`-np 8`, 512 cells each).",
+            f"`-fa on`, `--cache-ram 0`, one slot per session (`-np {SLOTS}`, 512 cells each).",
         ]
     )
 
