@@ -106,8 +106,9 @@ end-of-text ignored so every system generates exactly the same number of tokens.
 c clients each send their next request as soon as the last one is answered (closed loop) until
 {_served(plan, len(prompts))} are done; aggregate tok/s = generated tokens / wall time, prefill included.
 {plan["reps"]} repetition(s) per system and concurrency, in alternating order;
-tables show the mean. Nodes: `--max-sessions 8 --max-waiting 8 --kv-cells {plan["kv_cells"]}`, at
-concurrency 16 eight sessions wait for room (their wait counts in TTFT). Single node and
+tables show the mean, after one short warm-up request per system. Nodes: `--max-sessions {SLOTS}
+--max-waiting {SLOTS} --kv-cells {plan["kv_cells"]}` and llama-server `-np {SLOTS}`: like the bare loop,
+every system runs all the sessions of every concurrency at once. Single node and
 `llama-server` use 2 threads; each chain stage 1 thread (2 cores in all). `{NODE_FAST}`
 is the same node started with `--prefill-share 4` (prefill may add four decode steps' time
 to an iteration instead of one: more throughput, longer gaps between tokens). The nodes
