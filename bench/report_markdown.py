@@ -324,7 +324,9 @@ def _engine_use(r: dict[str, Any], cs: list[int]) -> str:
             "",
             "Counted by each node's engine (`stats` before and after every run; the chain: its head) "
             "and by the bare loop itself; means over repetitions. A call's cost grows slowly with its "
-            "rows, so fewer, fuller calls make more tokens per second.",
+            "rows, so fewer, fuller calls make more tokens per second. A node's time is its engine's "
+            "step time (`step_seconds`): llama_decode, the sampling of the call's tokens and the hand-off "
+            "to and from its compute thread; the bare loop's is llama_decode alone (it samples outside).",
             "",
             _table(ENGINE_USE_COLUMNS, rows),
         ]
