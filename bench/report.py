@@ -273,16 +273,25 @@ Run = Callable[[list[Request], int, str, Callable[[], None]], Awaitable[tuple[li
 ENGINE_COUNTERS = ("batches_total", "decode_batches_total", "decode_rows_total", "prefill_tokens_total")
 
 
-def decode_use(counts: dict[str, float], decode_s: float, wall: float) -> dict[str, Any]:
-    """A run's llama_decode calls and rows (`counts`), and the time spent inside them against its wall time."""
+def decode_use(counts: dict[str, float], decode_s: float, wall: float, step_s: float | None = None) -> dict[str, Any]:
+    """A run's llama_decode calls and rows (`counts`), the time spent inside them against its wall
+    time, and its steps' time (a node's engine also samples and hands off; the bare loop: the same)."""
     share = round(decode_s / wall, 3) if wall > 0 else None
-    return {**{k: int(v) for k, v in counts.items()}, "llama_decode_s": round(decode_s, 3), "llama_decode_share": share}
+    steps = round(decode_s if step_s is None else step_s, 3)
+    return {
+        **{k: int(v) for k, v in counts.items()},
+        "llama_decode_s": round(decode_s, 3),
+        "llama_decode_share": share,
+        "step_s": steps,
+    }
 
 
 def engine_use(before: dict[str, Any], after: dict[str, Any], wall: float) -> dict[str, Any]:
     """What the node's engine did during a run, from its `stats` before and after."""
     counts = {k.removesuffix("_total"): after[k] - before[k] for k in ENGINE_COUNTERS}
-    return decode_use(counts, after["step_seconds"]["sum"] - before["step_seconds"]["sum"], wall)
+    steps = after["step_seconds"]["sum"] - before["step_seconds"]["sum"]
+    inside = after["llama_decode_seconds_total"] - before["llama_decode_seconds_total"]
+    return decode_use(counts, inside, wall, steps)
 
 
 async def node_run(

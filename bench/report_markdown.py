@@ -302,6 +302,7 @@ ENGINE_USE_COLUMNS = [
     "rows per decode call",
     "in llama_decode (s)",
     "share of wall time",
+    "steps (s)",
 ]
 
 
@@ -310,23 +311,25 @@ def _engine_use(r: dict[str, Any], cs: list[int]) -> str:
     used = [{**run, **run["engine"]} for run in r["runs"] if run.get("engine")]
     if not used:
         return ""
-    keys = ("batches", "decode_batches", "decode_rows", "llama_decode_s", "llama_decode_share")
+    keys = ("batches", "decode_batches", "decode_rows", "llama_decode_s", "llama_decode_share", "step_s")
     m = {key: mean_by(used, key) for key in keys}
     rows = []
     for system, c in ((s, c) for s in ALL for c in cs if c in m["batches"].get(s, {})):
         calls, seconds, share = (m[k][system][c] for k in ("decode_batches", "llama_decode_s", "llama_decode_share"))
         fill = round(m["decode_rows"][system][c] / calls, 2) if calls else None
         row = [system, str(c), round(m["batches"][system][c], 1), round(calls, 1), fill]
-        rows.append([*row, round(seconds, 2), f"{share:.0%}"])
+        steps = m["step_s"].get(system, {}).get(c)
+        rows.append([*row, round(seconds, 2), f"{share:.0%}", "–" if steps is None else round(steps, 2)])
     return "\n".join(
         [
             "## Where the time goes: llama_decode calls per run",
             "",
             "Counted by each node's engine (`stats` before and after every run; the chain: its head) "
             "and by the bare loop itself; means over repetitions. A call's cost grows slowly with its "
-            "rows, so fewer, fuller calls make more tokens per second. A node's time is its engine's "
-            "step time (`step_seconds`): llama_decode, the sampling of the call's tokens and the hand-off "
-            "to and from its compute thread; the bare loop's is llama_decode alone (it samples outside).",
+            "rows, so fewer, fuller calls make more tokens per second. Time in llama_decode is the call "
+            "alone (a node's `llama_decode_seconds_total`); a node's steps (`step_seconds`) also count "
+            "the sampling of the call's tokens and the hand-off to and from its compute thread (the bare "
+            "loop samples outside its calls: its steps are its calls).",
             "",
             _table(ENGINE_USE_COLUMNS, rows),
         ]

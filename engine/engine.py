@@ -414,7 +414,9 @@ class Engine:
                 cleanups_total=t.cleanups_total,
                 cleanups_pending=len(self._cleanups),
             ),
-            batches=batch_statistics(t, config.n_batch, kernel_path, pad_rows, s.config.micro_batches),
+            batches=batch_statistics(
+                t, config.n_batch, kernel_path, pad_rows, s.config.micro_batches, self.backend.decode_seconds
+            ),
             kv=kv_statistics(s, t, used),
             memory=MemoryStatistics(
                 b.weights_bytes,

@@ -74,6 +74,7 @@ class BatchStatistics:
     prefill_tokens_per_s: float
     decode_tokens_per_s: float
     step_seconds: StepTimes
+    llama_decode_seconds_total: float  # inside llama_decode alone (a step also samples and hands off)
     linger_seconds_total: float
     no_kv_slot_total: int
     kernel_path: str
@@ -184,6 +185,7 @@ def wire_stats(s: EngineStatistics) -> dict[str, Any]:
             "count": s.batches.step_seconds.count,
         },
         "errors_total": dict(s.errors_total),
+        "llama_decode_seconds_total": round(s.batches.llama_decode_seconds_total, 4),
         "linger_seconds_total": round(s.batches.linger_seconds_total, 4),
         "late_sessions_total": s.sessions.late_total,
         "decode_no_kv_slot_total": s.batches.no_kv_slot_total,
@@ -257,7 +259,7 @@ def _throughput_and_memory(s: EngineStatistics) -> dict[str, Any]:
 
 
 def batch_statistics(
-    telemetry: Telemetry, n_batch: int, kernel_path: str, pad_rows: int, micro_batches: int
+    telemetry: Telemetry, n_batch: int, kernel_path: str, pad_rows: int, micro_batches: int, decode_s: float
 ) -> BatchStatistics:
     t, now = telemetry, time.monotonic()
     return BatchStatistics(
@@ -271,6 +273,7 @@ def batch_statistics(
         prefill_tokens_per_s=t.prefill_window.rate(now),
         decode_tokens_per_s=t.decode_window.rate(now),
         step_seconds=StepTimes.of(t.step_seconds),
+        llama_decode_seconds_total=decode_s,
         linger_seconds_total=t.linger_seconds_total,
         no_kv_slot_total=t.no_kv_slot_total,
         kernel_path=kernel_path,

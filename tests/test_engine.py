@@ -482,6 +482,9 @@ async def test_statistics_are_frozen_and_stats_is_their_flat_form(tiny_model: Pa
         assert steady(engine.stats()) == steady(wire_stats(statistics))
         assert statistics.batches.decode_tokens_total == engine.stats()["decode_tokens_total"] == 3
         assert statistics.sessions.admissions_total == 1 and statistics.queue.cleanups_total == 1
+        # the calls alone, inside the steps that also sample and hand off to the compute thread
+        inside, steps = statistics.batches.llama_decode_seconds_total, statistics.batches.step_seconds.sum
+        assert 0 < inside <= steps and inside == engine.backend.decode_seconds
 
 
 async def test_stats_report_memory_part_by_part_and_what_the_process_holds(
