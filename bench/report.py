@@ -275,7 +275,8 @@ ENGINE_COUNTERS = ("batches_total", "decode_batches_total", "decode_rows_total",
 
 def decode_use(counts: dict[str, float], decode_s: float, wall: float, step_s: float | None = None) -> dict[str, Any]:
     """A run's llama_decode calls and rows (`counts`), the time spent inside them against its wall
-    time, and its steps' time (a node's engine also samples and hands off; the bare loop: the same)."""
+    time, and its steps' time (`step_s`: a node's steps also sample and hand off to its compute
+    thread; the bare loop's steps are its calls)."""
     share = round(decode_s / wall, 3) if wall > 0 else None
     steps = round(decode_s if step_s is None else step_s, 3)
     return {
