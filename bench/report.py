@@ -61,6 +61,7 @@ from bench.systems import NODE as SINGLE
 from bench.workload import CORPUS, WORKLOADS, Request, first_per_client, make_requests
 from engine.backend import ContextConfig
 from engine.llama_handles import weight_placement
+from engine.process_cpu import preemptions
 from neuron_tai.client import open_client
 
 
@@ -270,7 +271,13 @@ def record(
 Run = Callable[[list[Request], int, str, Callable[[], None]], Awaitable[tuple[list[Trace], float]]]
 
 
-ENGINE_COUNTERS = ("batches_total", "decode_batches_total", "decode_rows_total", "prefill_tokens_total")
+ENGINE_COUNTERS = (
+    "batches_total",
+    "decode_batches_total",
+    "decode_rows_total",
+    "prefill_tokens_total",
+    "preemptions_total",
+)
 
 
 def decode_use(counts: dict[str, float], decode_s: float, wall: float, step_s: float | None = None) -> dict[str, Any]:
@@ -338,9 +345,9 @@ async def sweep(
         return await trio.to_thread.run_sync(loop, abandon_on_cancel=True)  # its threads fail once the server is gone
 
     async def bare_run(requests: list[Request], c: int, tag: str, _armed: object) -> tuple[list[Trace], float]:
-        before = dict(bare.counters)
+        before, preempted = dict(bare.counters), preemptions()
         traces, wall = run_waves(bare, requests, c)
-        use = {k: v - before[k] for k, v in bare.counters.items()}
+        use = {k: v - before[k] for k, v in bare.counters.items()} | {"preemptions": preemptions() - preempted}
         decode_s = use.pop("llama_decode_s")
         used[tag] = decode_use(use, decode_s, wall)
         return traces, wall

@@ -303,6 +303,7 @@ ENGINE_USE_COLUMNS = [
     "in llama_decode (s)",
     "share of wall time",
     "steps (s)",
+    "preempted per call",
 ]
 
 
@@ -311,15 +312,17 @@ def _engine_use(r: dict[str, Any], cs: list[int]) -> str:
     used = [{**run, **run["engine"]} for run in r["runs"] if run.get("engine")]
     if not used:
         return ""
-    keys = ("batches", "decode_batches", "decode_rows", "llama_decode_s", "llama_decode_share", "step_s")
+    keys = ("batches", "decode_batches", "decode_rows", "llama_decode_s", "llama_decode_share", "step_s", "preemptions")
     m = {key: mean_by(used, key) for key in keys}
     rows = []
     for system, c in ((s, c) for s in ALL for c in cs if c in m["batches"].get(s, {})):
         calls, seconds, share = (m[k][system][c] for k in ("decode_batches", "llama_decode_s", "llama_decode_share"))
         fill = round(m["decode_rows"][system][c] / calls, 2) if calls else None
-        row = [system, str(c), round(m["batches"][system][c], 1), round(calls, 1), fill]
-        steps = m["step_s"].get(system, {}).get(c)
-        rows.append([*row, round(seconds, 2), f"{share:.0%}", "–" if steps is None else round(steps, 2)])
+        batches = m["batches"][system][c]
+        row = [system, str(c), round(batches, 1), round(calls, 1), fill]
+        steps, preempted = (m[k].get(system, {}).get(c) for k in ("step_s", "preemptions"))
+        per_call = "–" if preempted is None or not batches else round(preempted / batches, 2)
+        rows.append([*row, round(seconds, 2), f"{share:.0%}", "–" if steps is None else round(steps, 2), per_call])
     return "\n".join(
         [
             "## Where the time goes: llama_decode calls per run",
@@ -329,7 +332,10 @@ def _engine_use(r: dict[str, Any], cs: list[int]) -> str:
             "rows, so fewer, fuller calls make more tokens per second. Time in llama_decode is the call "
             "alone (a node's `llama_decode_seconds_total`); a node's steps (`step_seconds`) also count "
             "the sampling of the call's tokens and the hand-off to and from its compute thread (the bare "
-            "loop samples outside its calls: its steps are its calls).",
+            "loop samples outside its calls: its steps are its calls). Preempted: the process's "
+            "involuntary context switches over the run (a node's `preemptions_total`; the bench's own "
+            "process for the bare loop), per call: each one stops a member of the OpenMP team, and "
+            "the team waits for it at its next barrier.",
             "",
             _table(ENGINE_USE_COLUMNS, rows),
         ]

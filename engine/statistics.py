@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
+from engine.process_cpu import preemptions
 from engine.process_memory import ResidentMemory
 from engine.scheduler import Scheduler
 from engine.telemetry import Histogram, Telemetry
@@ -75,6 +76,7 @@ class BatchStatistics:
     decode_tokens_per_s: float
     step_seconds: StepTimes
     llama_decode_seconds_total: float  # inside llama_decode alone (a step also samples and hands off)
+    preemptions_total: int  # the process's involuntary context switches (engine/process_cpu.py)
     linger_seconds_total: float
     no_kv_slot_total: int
     kernel_path: str
@@ -186,6 +188,7 @@ def wire_stats(s: EngineStatistics) -> dict[str, Any]:
         },
         "errors_total": dict(s.errors_total),
         "llama_decode_seconds_total": round(s.batches.llama_decode_seconds_total, 4),
+        "preemptions_total": s.batches.preemptions_total,
         "linger_seconds_total": round(s.batches.linger_seconds_total, 4),
         "late_sessions_total": s.sessions.late_total,
         "decode_no_kv_slot_total": s.batches.no_kv_slot_total,
@@ -274,6 +277,7 @@ def batch_statistics(
         decode_tokens_per_s=t.decode_window.rate(now),
         step_seconds=StepTimes.of(t.step_seconds),
         llama_decode_seconds_total=decode_s,
+        preemptions_total=preemptions(),
         linger_seconds_total=t.linger_seconds_total,
         no_kv_slot_total=t.no_kv_slot_total,
         kernel_path=kernel_path,

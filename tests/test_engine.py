@@ -485,6 +485,7 @@ async def test_statistics_are_frozen_and_stats_is_their_flat_form(tiny_model: Pa
         # the calls alone, inside the steps that also sample and hand off to the compute thread
         inside, steps = statistics.batches.llama_decode_seconds_total, statistics.batches.step_seconds.sum
         assert 0 < inside <= steps and inside == engine.backend.decode_seconds
+        assert isinstance(engine.stats()["preemptions_total"], int)  # present, and the OS's own count
 
 
 async def test_stats_report_memory_part_by_part_and_what_the_process_holds(
