@@ -403,7 +403,6 @@ class Engine:
         s, t, b, config = self.scheduler, self.telemetry, self.budgets, self.config
         used = sum(self.backend.length(x.seq) for x in s.sessions.values() if x.seq >= 0)
         pad_rows = self.pad_rows if config.batch_invariant else 0
-        kernel_path = self.backend.model.kernel_path.value
         return EngineStatistics(
             sessions=session_statistics(s, t),
             queue=QueueStatistics(
@@ -414,9 +413,7 @@ class Engine:
                 cleanups_total=t.cleanups_total,
                 cleanups_pending=len(self._cleanups),
             ),
-            batches=batch_statistics(
-                t, config.n_batch, kernel_path, pad_rows, s.config.micro_batches, self.backend.decode_seconds
-            ),
+            batches=batch_statistics(t, self.backend, config.n_batch, pad_rows, s.config.micro_batches),
             kv=kv_statistics(s, t, used),
             memory=MemoryStatistics(
                 b.weights_bytes,

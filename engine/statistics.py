@@ -11,12 +11,15 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.process_cpu import preemptions
 from engine.process_memory import ResidentMemory
 from engine.scheduler import Scheduler
 from engine.telemetry import Histogram, Telemetry
+
+if TYPE_CHECKING:
+    from engine.backend import StageBackend
 
 QUOTAS = ("sessions", "waiting", "queued")
 
@@ -262,8 +265,9 @@ def _throughput_and_memory(s: EngineStatistics) -> dict[str, Any]:
 
 
 def batch_statistics(
-    telemetry: Telemetry, n_batch: int, kernel_path: str, pad_rows: int, micro_batches: int, decode_s: float
+    telemetry: Telemetry, backend: StageBackend, n_batch: int, pad_rows: int, micro_batches: int
 ) -> BatchStatistics:
+    """The batch loop's counters, and what the backend knows of its calls (time inside them, kernels)."""
     t, now = telemetry, time.monotonic()
     return BatchStatistics(
         batches_total=t.batches_total,
@@ -276,11 +280,11 @@ def batch_statistics(
         prefill_tokens_per_s=t.prefill_window.rate(now),
         decode_tokens_per_s=t.decode_window.rate(now),
         step_seconds=StepTimes.of(t.step_seconds),
-        llama_decode_seconds_total=decode_s,
+        llama_decode_seconds_total=backend.decode_seconds,
         preemptions_total=preemptions(),
         linger_seconds_total=t.linger_seconds_total,
         no_kv_slot_total=t.no_kv_slot_total,
-        kernel_path=kernel_path,
+        kernel_path=backend.model.kernel_path.value,
         pad_rows=pad_rows,
         micro_batches=micro_batches,
     )
