@@ -33,10 +33,6 @@ sessions generate. `--part failover` runs it alone. The exit status is 1 if eith
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("GOMP_SPINCOUNT", "20000")  # what `neuron-tai serve` uses
-
 import argparse
 import json
 import signal

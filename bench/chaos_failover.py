@@ -25,10 +25,6 @@ removed, on every way out.
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("GOMP_SPINCOUNT", "20000")  # what `neuron-tai serve` uses
-
 import argparse
 import time
 from dataclasses import asdict, dataclass, field

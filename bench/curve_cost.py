@@ -14,10 +14,6 @@ affects both sides alike. Writes evidence/curve.json with {single_ratio, chain2_
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("GOMP_SPINCOUNT", "20000")  # what `neuron-tai serve` uses
-
 import argparse
 import statistics
 import sys

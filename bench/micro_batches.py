@@ -10,10 +10,6 @@ a stage while the other computes in the next. Writes evidence/micro_batches.json
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("GOMP_SPINCOUNT", "20000")  # what `neuron-tai serve` uses
-
 import argparse
 import sys
 from pathlib import Path

@@ -29,12 +29,9 @@ Ctrl-C or SIGTERM.
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("GOMP_SPINCOUNT", "20000")  # what `neuron-tai serve` uses
-
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys

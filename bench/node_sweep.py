@@ -9,10 +9,6 @@ Writes evidence/node_sweep.json.
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("GOMP_SPINCOUNT", "20000")  # what `neuron-tai serve` uses: the same for the engine here
-
 import argparse
 import sys
 from pathlib import Path

@@ -12,10 +12,6 @@ still runs. Exits 1 on any crash, bit-exact mismatch or lost session.
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("GOMP_SPINCOUNT", "20000")  # what `neuron-tai serve` uses, for the in-process peers too
-
 import argparse
 import json
 import subprocess

@@ -21,10 +21,6 @@ exact there). Writes evidence/speculation.json (or --out).
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("GOMP_SPINCOUNT", "20000")  # what `neuron-tai serve` uses
-
 import argparse
 import statistics
 import sys

@@ -31,11 +31,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("neuron_tai")
 
-# llama.cpp's OpenMP workers spin this long after each op before sleeping. libgomp's default
-# keeps them spinning well after a decode ends, competing with the node's socket and event
-# loop threads on a small machine; a short spin measured the same decode speed and a faster
-# node. Read by libgomp when llama.cpp loads, so it is set before that import.
-OMP_SPIN_DEFAULT = "20000"
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
@@ -124,7 +119,6 @@ def node_config(values: Mapping[str, Any]) -> NodeConfig:
 
 def run_serve(values: Mapping[str, Any]) -> int:
     values = with_config_file(serve_options(), values)
-    os.environ.setdefault("GOMP_SPINCOUNT", OMP_SPIN_DEFAULT)
     log_level = build(ServeOptions, serve_options(), values).log_level
     logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
     logging.getLogger("llama.cpp").setLevel(logging.ERROR)
