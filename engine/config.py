@@ -190,6 +190,16 @@ class EngineConfig:
             "shown": "1 + --prefill-share undisturbed gaps (decode-only calls)",
         },
     )
+    # An iteration of only decodes runs as two calls of half the rows where two such calls were
+    # measured cheaper than one (llama.cpp's kernels change with the rows: engine/call_split.py).
+    split_decodes: bool = field(
+        default=True,
+        metadata={
+            "help": "run an iteration's decodes as two calls of half the rows where that measured cheaper "
+            "than one call (not with --batch-invariant or micro-batches)",
+            "group": "tuning",
+        },
+    )
     # Session groups run in calls of their own, each answered as soon as it is computed: at a
     # chain's head, one group's hidden states travel on (and compute downstream) while the next
     # group computes here. 1 runs every session in one call (nothing to overlap on a single node);

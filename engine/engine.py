@@ -120,6 +120,9 @@ class Engine:
             pad_seq,
             split_on_no_slot=not config.batch_invariant,
             record_iterations=config.record_iterations,
+            halve_decodes=config.split_decodes
+            and not config.batch_invariant
+            and self.scheduler.config.micro_batches == 1,
         )
         self.iterations = self.executor.iterations
         self._inbox_send, self._inbox = trio.open_memory_channel[tuple[Queued, Reply]](config.inbox_size)
@@ -278,16 +281,13 @@ class Engine:
                 budget = self.executor.pace.prefill_budget(
                     self.config.prefill_share, self.config.itl_target_ms, self.scheduler.demand()
                 )
-                plan = self.scheduler.plan(budget)
+                plan = self.scheduler.plan(budget, self.executor.halves)
                 if plan is None:
                     await self._wait_for_work()
                     await self._linger()  # a group coming back (from the next stage) comes back whole
                     continue
                 self._forget_late(plan)
-                for i, call in enumerate(plan.calls):
-                    if i:
-                        await self._hand_over()
-                    await self.executor.run(Plan(plan.iteration, (call,)))
+                await self.executor.run_calls(plan, self._hand_over)
                 await self._linger()
         finally:
             self._fail_everything_pending()

@@ -10,12 +10,14 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from engine.backend import DecodeFailed, DecodeOutcome, Segment, SegmentResult, StageBackend
+from engine.call_split import DecodeCallCosts
 from engine.compute_thread import ComputeThread
 from engine.messages import EndReason, Output, StepDone
 from engine.pacing import PrefillPace
@@ -49,6 +51,7 @@ class Executor:
         *,
         split_on_no_slot: bool,
         record_iterations: bool,
+        halve_decodes: bool = False,
     ) -> None:
         self.sessions = sessions
         self.scheduler = sessions.scheduler
@@ -60,6 +63,17 @@ class Executor:
         self.record_iterations = record_iterations
         self.iterations: deque[IterationRecord] = deque(maxlen=100_000)  # when record_iterations
         self.pace = PrefillPace()
+        self.call_costs = DecodeCallCosts()
+        self.halves = self.call_costs.halves if halve_decodes else None  # what Scheduler.plan asks
+        self._halves = (0, 0.0)  # decode rows and ms of the halved iteration under way
+
+    async def run_calls(self, plan: Plan, between: Callable[[], Awaitable[None]]) -> None:
+        """Each of the plan's calls in turn, awaiting `between` them (the engine's hand-over)."""
+        for i, call in enumerate(plan.calls):
+            if i:
+                await between()
+            await self.run(Plan(plan.iteration, (call,), plan.halved))
+        self._end_iteration()
 
     async def run(self, plan: Plan) -> None:
         """Run the plan's one call and answer the steps it completes."""
@@ -103,7 +117,20 @@ class Executor:
         decode_rows = sum(c.count for c in call.chunks if self._step(c).is_decode)
         prefill_rows = sum(c.count for c in call.chunks) - decode_rows
         self.telemetry.record_batch(time.monotonic(), call.rows, prefill_rows, decode_rows, seconds)
-        self.pace.observe(decode_rows, prefill_rows, seconds * 1000)
+        if decode_rows and not prefill_rows and not call.pad_rows:
+            self.call_costs.observe(decode_rows, seconds * 1000)
+        if plan.halved:  # the sessions of both calls wait for both: one gap, seen once
+            rows, ms = self._halves
+            self._halves = (rows + decode_rows, ms + seconds * 1000)
+        else:
+            self.pace.observe(decode_rows, prefill_rows, seconds * 1000)
+
+    def _end_iteration(self) -> None:
+        """After an iteration's calls: a halved one is one decode-only gap to the pace."""
+        rows, ms = self._halves
+        if rows:
+            self.pace.observe(rows, 0, ms)
+        self._halves = (0, 0.0)
 
     def _answer(self, step: Step[Work], last: SegmentResult) -> None:
         """A completed step's result, with its session's state after it, to its requester."""

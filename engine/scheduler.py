@@ -25,6 +25,8 @@ plans it returns, and reports back. The policy (DESIGN.md):
   that many groups for its whole life (admitted to the smallest), and an iteration runs
   one call per group with work, so a group's replies go out (to the next stage) while
   the next group computes. Every ready decode is still planned in every iteration.
+- Halves: an iteration of only decodes may run each call as two of half the rows, when
+  the engine measured two such calls cheaper than one (engine/call_split.py).
 - Batch-invariant mode: decode rows are padded to a multiple of `pad_rows` and each
   prefill chunk runs in a call of its own with boundaries fixed by position, padded the
   same way, so a session's batch shapes do not depend on what else is being served, and
@@ -43,6 +45,7 @@ from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+from engine.call_split import split_at
 from engine.pacing import Demand
 from protocol.errors import ErrorCode, Fault
 
@@ -180,6 +183,7 @@ class Call:
 class Plan:
     iteration: int
     calls: tuple[Call, ...]
+    halved: bool = False  # one call's decodes run as two calls (engine/call_split.py): one gap for them
 
     @property
     def chunks(self) -> Iterable[Chunk]:
@@ -244,6 +248,28 @@ def _prefill_chunks(
         rr.remove(key)
         rr.append(key)
     return chunks
+
+
+def _invariant_calls(
+    sessions: dict[SessionKey, Session[Any]], rr: deque[SessionKey], decode_chunks: list[Chunk], cfg: SchedulerConfig
+) -> list[Call]:
+    """Batch-invariant mode: each group's decodes padded to a multiple of `pad_rows`, then one
+    prefill chunk of fixed boundaries, padded the same way, in a call of its own."""
+    calls = [Call(g, _round_up(len(g), cfg.pad_rows) - len(g)) for g in _by_group(sessions, decode_chunks)]
+    prefill = _prefill_chunks(sessions, rr, cfg.max_prefill_tokens, cfg.max_prefill_tokens, limit_sessions=1)
+    return calls + [Call((c,), _round_up(c.count, cfg.pad_rows) - c.count) for c in prefill]
+
+
+def _halved(groups: list[tuple[Chunk, ...]], halves: Callable[[int], bool]) -> list[Call]:
+    """Each group's decodes in one call, or in two where `halves` says two cost less."""
+    calls = []
+    for group in groups:
+        if len(group) > 1 and halves(len(group)):
+            at = split_at(len(group))
+            calls += [Call(group[:at]), Call(group[at:])]
+        else:
+            calls.append(Call(group))
+    return calls
 
 
 def _round_up(n: int, k: int) -> int:
@@ -497,12 +523,12 @@ class Scheduler(Generic[StepPayload, OpenPayload]):
         decoding = sum(1 for s in self.sessions.values() if s.step is not None and s.step.is_decode)
         return Demand(min(decoding, self.config.n_batch), len(self._rr))
 
-    def plan(self, prefill_budget: int | None = None) -> Plan | None:
+    def plan(self, prefill_budget: int | None = None, halves: Callable[[int], bool] | None = None) -> Plan | None:
         """The next iteration's llama_decode calls, or None when there is nothing to run.
 
-        `prefill_budget` lowers the prefill rows of an iteration that also carries decodes
-        (the engine sizes it from measured step times; 0 makes it decode-only, to measure a
-        decode step); invariant mode keeps fixed chunks.
+        `prefill_budget` lowers the prefill rows of an iteration that also carries decodes (sized
+        from measured step times; 0: decode-only, to measure a decode step); invariant mode keeps
+        fixed chunks. `halves(rows)`: whether a call of only decodes runs as two (call_split.py).
         """
         cfg = self.config
         decodes = sorted(
@@ -510,24 +536,24 @@ class Scheduler(Generic[StepPayload, OpenPayload]):
             key=lambda s: s.step.arrival if s.step else 0,
         )[: cfg.n_batch]
         decode_chunks = [Chunk(s.key, s.seq, s.length, 0, 1, True) for s in decodes]
-        calls: list[Call] = []
+        halved = False
         if cfg.batch_invariant:
-            for group in _by_group(self.sessions, decode_chunks):
-                calls.append(Call(group, _round_up(len(group), cfg.pad_rows) - len(group)))
-            prefill = _prefill_chunks(
-                self.sessions, self._rr, cfg.max_prefill_tokens, cfg.max_prefill_tokens, limit_sessions=1
-            )
-            calls += [Call((c,), _round_up(c.count, cfg.pad_rows) - c.count) for c in prefill]
+            calls = _invariant_calls(self.sessions, self._rr, decode_chunks, cfg)
         else:
             budget = min(cfg.n_batch - len(decode_chunks), cfg.max_prefill_tokens)
             if decode_chunks and prefill_budget is not None:
                 budget = min(budget, max(0, prefill_budget))
             chunks = decode_chunks + _prefill_chunks(self.sessions, self._rr, budget, None)
-            calls += [Call(group) for group in _by_group(self.sessions, chunks)]
+            groups = _by_group(self.sessions, chunks)
+            if halves is not None and len(chunks) == len(decode_chunks):
+                calls = _halved(groups, halves)
+                halved = len(calls) > len(groups)
+            else:
+                calls = [Call(group) for group in groups]
         if not calls:
             return None
         self.iteration += 1
-        return Plan(self.iteration, tuple(calls))
+        return Plan(self.iteration, tuple(calls), halved)
 
     def commit(self, plan: Plan, now_ms: float, step_ms: float) -> list[Step[StepPayload]]:
         """Record a plan that ran; returns the steps it completed (to be answered)."""

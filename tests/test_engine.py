@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import FrozenInstanceError, replace
 from pathlib import Path
@@ -13,6 +14,7 @@ import trio
 
 from engine.backend import ContextConfig, DecodeFailed, DecodeOutcome, Segment, SegmentResult, StageBackend
 from engine.budgets import BudgetError, Limits
+from engine.call_split import DecodeCallCosts
 from engine.config import EngineConfig
 from engine.engine import Engine, open_engine
 from engine.kernels import INVARIANT_PAD_ROWS
@@ -91,6 +93,34 @@ async def test_concurrent_sessions_match_their_solo_runs(tiny_model: Path) -> No
         assert max(len(c) for c in rows) >= 6, "sessions were really batched together"
         assert engine.stats()["sessions_active"] == 0
     assert together == solo
+
+
+@pytest.mark.parametrize("split_decodes", [True, False])
+async def test_halved_iterations_answer_every_session_as_one_call_would(
+    split_decodes: bool, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With two half calls said cheaper at every size, an iteration of only decodes runs as two
+    calls (unless --no-split-decodes), and every session gets the tokens of its solo run."""
+    prompts = {f"s{i}": prompt(i, 3 + 4 * i) for i in range(5)}
+    solo = {}
+    async with open_engine(config(tiny_model)) as engine:
+        for name, ids in prompts.items():
+            solo[name] = await generate(engine, name, ids, 16)
+    monkeypatch.setattr(DecodeCallCosts, "halves", lambda self, rows: True)
+    together: dict[str, list[int]] = {}
+    async with open_engine(config(tiny_model, split_decodes=split_decodes)) as engine:
+
+        async def one(name: str) -> None:
+            together[name] = await generate(engine, name, prompts[name], 16)
+
+        async with trio.open_nursery() as nursery:
+            for name in prompts:
+                nursery.start_soon(one, name)
+        calls_per_iteration = Counter(r.iteration for r in engine.iterations)
+        decode_only = engine.executor.pace.decode_ms is not None
+    assert together == solo
+    assert (max(calls_per_iteration.values()) == 2) == split_decodes
+    assert decode_only, "the pace measured decode steps (a halved iteration counts as one)"
 
 
 async def test_long_prefill_delays_no_decode_by_more_than_one_iteration(tiny_model: Path) -> None:

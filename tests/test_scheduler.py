@@ -449,6 +449,45 @@ def test_micro_batches_carry_their_own_prefill_and_pad_each_invariant_call() -> 
     assert plan is not None and [(call.rows, call.pad_rows) for call in plan.calls] == [(4, 2), (4, 3)]
 
 
+def test_halves_split_an_iteration_of_only_decodes_in_arrival_order() -> None:
+    s = Scheduler[None, None](replace(CFG, max_sessions=5))
+    for i, key in enumerate("abcde"):
+        opened(s, key, seq=i)
+    for key in "edcba":
+        s.submit(key, 0, 1, 4, 0.0, None)
+    asked: list[int] = []
+
+    def halves(rows: int) -> bool:
+        asked.append(rows)
+        return True
+
+    plan = s.plan(halves=halves)
+    assert plan is not None and plan.halved and asked == [5]
+    assert [[c.key for c in call.chunks] for call in plan.calls] == [["e", "d", "c"], ["b", "a"]]
+    assert {st.key for st in run(s, plan)} == set("abcde")  # one iteration: every step answered
+    for key in "ab":
+        s.submit(key, 1, 1, 4, 0.0, None)
+    plan = s.plan(halves=lambda rows: False)
+    assert plan is not None and not plan.halved and [len(call.chunks) for call in plan.calls] == [2]
+
+
+def test_halves_leave_iterations_with_prefill_and_invariant_mode_whole() -> None:
+    s = Scheduler[None, None](CFG)
+    for i, key in enumerate("abc"):
+        opened(s, key, seq=i)
+    s.submit("a", 0, 1, 4, 0.0, None)
+    s.submit("b", 0, 1, 4, 0.0, None)
+    s.submit("c", 0, 5, 20, 0.0, None)  # a prompt: this iteration carries prefill
+    plan = s.plan(halves=lambda rows: True)
+    assert plan is not None and not plan.halved and len(plan.calls) == 1
+    s = Scheduler[None, None](replace(CFG, batch_invariant=True, pad_rows=4))
+    for i, key in enumerate("ab"):
+        opened(s, key, seq=i)
+        s.submit(key, 0, 1, 4, 0.0, None)
+    plan = s.plan(halves=lambda rows: True)
+    assert plan is not None and not plan.halved and [call.rows for call in plan.calls] == [4]
+
+
 OWNERS = ("a", "b", "c")
 
 
@@ -668,10 +707,10 @@ class SchedulerMachine(AdmissionMachine):
                 self.lengths[key] = session.length
                 self.plans_since_submit[key] = 0
 
-    @rule(fail=st.sampled_from([False, False, False, True]))
-    def run_one(self, fail: bool) -> None:
+    @rule(fail=st.sampled_from([False, False, False, True]), halve=st.sampled_from([False, False, True]))
+    def run_one(self, fail: bool, halve: bool = False) -> None:
         decode_ready = {k for k, s in self.s.sessions.items() if s.step is not None and s.step.is_decode}
-        plan = self.s.plan()
+        plan = self.s.plan(halves=lambda rows: halve)
         if plan is None:
             assert self.s.pending_steps == 0
             return
@@ -685,7 +724,9 @@ class SchedulerMachine(AdmissionMachine):
         assert decode_ready <= {c.key for c in chunks}, "a decode-ready session was left out"
         call_groups = [{self.groups[c.key] for c in call.chunks} for call in plan.calls]
         assert all(len(g) == 1 for g in call_groups), "a call carries one micro-batch"
-        assert len(call_groups) == len({min(g) for g in call_groups}), "one call per micro-batch"
+        calls_per_group = 2 if plan.halved else 1
+        assert len(call_groups) <= calls_per_group * len({min(g) for g in call_groups}), "one call per micro-batch"
+        assert not plan.halved or (halve and prefill_rows == 0 and not self.cfg.batch_invariant)
         for c in chunks:
             assert c.pos == self.lengths[c.key], "positions must stay contiguous and in order"
         assert len({c.key for c in chunks}) == len(chunks)

@@ -1,0 +1,57 @@
+"""Whether an iteration's decodes run as one llama_decode call or as two halves: measured.
+
+Pure (no Trio, no ctypes). A call's cost is not a smooth function of its rows: llama.cpp
+picks its matmul kernels by the batch's rows, and some shapes cost more than two calls of
+half the rows. Measured on an AMD EPYC (AVX2) with the Llama-3.2-1B shape, decode-only
+calls: 7 rows 168 ms, 8 rows 231 ms, two calls of 4 rows 199 ms (ggml-cpu's tiled K-quant
+matmul takes over at 8 rows, where it is unprofitable on that CPU for the Q6_K output head);
+16 rows 316 ms against 479 ms for two calls of 8. On other CPUs and models the halves cost
+more at every size, and then nothing is split.
+
+The policy: keep a running cost of decode-only calls by rows. An iteration of `n` decode
+rows runs as two calls when the two halves' measured costs add up to less than
+`MARGIN` x the whole call's. A size is measured before it is compared: the whole call first,
+then the halves once. Every `RECHECK_EVERY`-th decision for a size takes the other choice,
+so a cost that drifted (longer contexts, another process on the cores) is seen again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+EMA = 0.2  # weight of the newest sample in a size's running cost
+
+
+@dataclass(slots=True)
+class DecodeCallCosts:
+    """Running cost (ms) of decode-only calls by rows, and the split decision it gives."""
+
+    ms: dict[int, float] = field(default_factory=dict)
+    decisions: dict[int, int] = field(default_factory=dict)  # per size: decisions taken so far
+
+    MIN_ROWS = 2  # fewer rows cannot be split
+    MARGIN = 0.95  # split only for a clear gain: the halves within 95% of the whole call
+    RECHECK_EVERY = 32
+
+    def observe(self, rows: int, ms: float) -> None:
+        """Record one decode-only call of `rows` rows (every row one session's next token)."""
+        old = self.ms.get(rows)
+        self.ms[rows] = ms if old is None else old + EMA * (ms - old)
+
+    def halves(self, rows: int) -> bool:
+        """Whether an iteration of `rows` decode rows should run as two calls (of `split_at(rows)`
+        rows, then the rest)."""
+        if rows < self.MIN_ROWS or rows not in self.ms:
+            return False  # nothing to split, or the whole call is not measured yet
+        first, second = split_at(rows), rows - split_at(rows)
+        if first not in self.ms or second not in self.ms:
+            return True  # measure the halves once
+        n = self.decisions.get(rows, 0) + 1
+        self.decisions[rows] = n
+        cheaper = self.ms[first] + self.ms[second] < self.MARGIN * self.ms[rows]
+        return cheaper != (n % self.RECHECK_EVERY == 0)
+
+
+def split_at(rows: int) -> int:
+    """The first call's rows when `rows` are split: the larger half."""
+    return (rows + 1) // 2

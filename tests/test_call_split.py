@@ -1,0 +1,71 @@
+"""Halving an iteration's decodes: the measured rule (pure), properties and examples."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from engine.call_split import DecodeCallCosts, split_at
+
+
+def measured(costs: dict[int, float]) -> DecodeCallCosts:
+    rule = DecodeCallCosts()
+    for rows, ms in costs.items():
+        rule.observe(rows, ms)
+    return rule
+
+
+def test_measures_the_whole_call_then_the_halves_once_then_compares() -> None:
+    rule = DecodeCallCosts()
+    assert not rule.halves(8)  # the whole call is not measured yet: run it whole
+    rule.observe(8, 231.0)
+    assert rule.halves(8)  # the halves are not measured: split once to see them
+    rule.observe(4, 100.0)
+    assert rule.halves(8)  # 200 < 0.95 x 231
+    rule.observe(4, 120.0)  # the halves now cost 104 ms each (running average): 208 < 219.5
+    assert rule.halves(8)
+    rule.observe(8, 150.0)  # the whole call got cheaper (214.8 ms): 208 is within 95% of it no more
+    assert not rule.halves(8)
+
+
+def test_one_row_is_never_split_and_odd_rows_split_larger_half_first() -> None:
+    rule = measured({1: 10.0})
+    assert not rule.halves(1)
+    assert [split_at(n) for n in (2, 3, 7, 8)] == [1, 2, 4, 4]
+
+
+@given(
+    fixed=st.floats(1.0, 100.0),
+    per_row=st.floats(0.1, 50.0),
+    sizes=st.lists(st.integers(1, 64), min_size=1, max_size=300),
+)
+def test_where_calls_cost_a_fixed_part_plus_rows_splits_are_only_probes(
+    fixed: float, per_row: float, sizes: list[int]
+) -> None:
+    """With cost = fixed + per_row x rows, two halves always cost more than one call: the rule
+    splits a size only to measure its halves, and once per RECHECK_EVERY decisions after."""
+    rule = DecodeCallCosts()
+    splits: dict[int, int] = {}
+    seen: dict[int, int] = {}
+    for rows in sizes:
+        seen[rows] = seen.get(rows, 0) + 1
+        if rule.halves(rows):
+            splits[rows] = splits.get(rows, 0) + 1
+            first = split_at(rows)
+            rule.observe(first, fixed + per_row * first)
+            rule.observe(rows - first, fixed + per_row * (rows - first))
+        else:
+            rule.observe(rows, fixed + per_row * rows)
+    for rows, n in splits.items():
+        assert rows >= DecodeCallCosts.MIN_ROWS
+        assert n <= 1 + seen[rows] // DecodeCallCosts.RECHECK_EVERY
+
+
+@given(whole=st.floats(10.0, 1000.0), half_share=st.floats(0.1, 2.0), decisions=st.integers(1, 200))
+def test_once_measured_the_cheaper_shape_wins_but_for_rechecks(whole: float, half_share: float, decisions: int) -> None:
+    """Every decision takes the measured cheaper shape, except every RECHECK_EVERY-th, which
+    takes the other one (so a cost that drifted is seen again)."""
+    rule = measured({8: whole, 4: whole * half_share / 2})
+    cheaper = whole * half_share < DecodeCallCosts.MARGIN * whole
+    for n in range(1, decisions + 1):
+        assert rule.halves(8) == (cheaper != (n % DecodeCallCosts.RECHECK_EVERY == 0))
