@@ -65,7 +65,7 @@ class Executor:
         self.pace = PrefillPace()
         self.call_costs = DecodeCallCosts()
         self.halves = self.call_costs.halves if halve_decodes else None  # what Scheduler.plan asks
-        self._halves = (0, 0.0)  # decode rows and ms of the halved iteration under way
+        self._halved_so_far = (0, 0.0)  # decode rows and ms of the halved iteration under way
 
     async def run_calls(self, plan: Plan, between: Callable[[], Awaitable[None]]) -> None:
         """Each of the plan's calls in turn, awaiting `between` them (the engine's hand-over)."""
@@ -120,17 +120,17 @@ class Executor:
         if decode_rows and not prefill_rows and not call.pad_rows:
             self.call_costs.observe(decode_rows, seconds * 1000)
         if plan.halved:  # the sessions of both calls wait for both: one gap, seen once
-            rows, ms = self._halves
-            self._halves = (rows + decode_rows, ms + seconds * 1000)
+            rows, ms = self._halved_so_far
+            self._halved_so_far = (rows + decode_rows, ms + seconds * 1000)
         else:
             self.pace.observe(decode_rows, prefill_rows, seconds * 1000)
 
     def _end_iteration(self) -> None:
         """After an iteration's calls: a halved one is one decode-only gap to the pace."""
-        rows, ms = self._halves
+        rows, ms = self._halved_so_far
         if rows:
             self.pace.observe(rows, 0, ms)
-        self._halves = (0, 0.0)
+        self._halved_so_far = (0, 0.0)
 
     def _answer(self, step: Step[Work], last: SegmentResult) -> None:
         """A completed step's result, with its session's state after it, to its requester."""
