@@ -43,7 +43,8 @@ class DecodeCallCosts:
         rows, then the rest)."""
         if rows < self.MIN_ROWS or rows not in self.ms:
             return False  # nothing to split, or the whole call is not measured yet
-        first, second = split_at(rows), rows - split_at(rows)
+        first = split_at(rows)
+        second = rows - first
         if first not in self.ms or second not in self.ms:
             return True  # measure the halves once
         n = self.decisions.get(rows, 0) + 1

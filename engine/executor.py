@@ -117,7 +117,7 @@ class Executor:
         decode_rows = sum(c.count for c in call.chunks if self._step(c).is_decode)
         prefill_rows = sum(c.count for c in call.chunks) - decode_rows
         self.telemetry.record_batch(time.monotonic(), call.rows, prefill_rows, decode_rows, seconds)
-        if decode_rows and not prefill_rows and not call.pad_rows:
+        if self.halves is not None and decode_rows and not prefill_rows:
             self.call_costs.observe(decode_rows, seconds * 1000)
         if plan.halved:  # the sessions of both calls wait for both: one gap, seen once
             rows, ms = self._halved_so_far

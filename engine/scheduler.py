@@ -528,7 +528,8 @@ class Scheduler(Generic[StepPayload, OpenPayload]):
 
         `prefill_budget` lowers the prefill rows of an iteration that also carries decodes (sized
         from measured step times; 0: decode-only, to measure a decode step); invariant mode keeps
-        fixed chunks. `halves(rows)`: whether a call of only decodes runs as two (call_split.py).
+        fixed chunks. `halves(rows)`: whether a call of only decodes runs as two (call_split.py;
+        never with micro-batches or in invariant mode).
         """
         cfg = self.config
         decodes = sorted(
@@ -545,7 +546,7 @@ class Scheduler(Generic[StepPayload, OpenPayload]):
                 budget = min(budget, max(0, prefill_budget))
             chunks = decode_chunks + _prefill_chunks(self.sessions, self._rr, budget, None)
             groups = _by_group(self.sessions, chunks)
-            if halves is not None and len(chunks) == len(decode_chunks):
+            if halves is not None and cfg.micro_batches == 1 and len(chunks) == len(decode_chunks):
                 calls = _halved(groups, halves)
                 halved = len(calls) > len(groups)
             else:
