@@ -53,6 +53,7 @@ HOSTS = ("client", "s0", "s1")
 LINKS = (("client", "s0"), ("s0", "s1"))
 HEAD_CORE, TAIL_CORE = 0, 1  # the single node runs on the head's core, measured while the chain idles
 MAX_SESSIONS = 16  # every session of the highest concurrency runs at once
+PLAN_CONCURRENCY = 8  # the split is planned for c=8 (4-row calls a stage), the issue's placement target
 SCALE_COLUMNS = [
     "workload",
     "concurrency",
@@ -143,11 +144,12 @@ QUICK = Plan(
 
 def chain_bounds(model: Path, plan: Plan, workload: str) -> list[tuple[int, int]]:
     """The chain's two layer ranges for `workload`: the placement plan's split (`neuron-tai plan`,
-    bench/placement.py) for the workload's mean prompt and its generated tokens, from per-layer
-    costs measured on this machine with one thread (cached after the first run)."""
+    bench/placement.py) for the workload's mean prompt and its generated tokens at concurrency 8,
+    from per-layer costs measured on this machine with one thread (cached after the first run)."""
     buckets = WORKLOADS[workload].buckets
     prompt = statistics.fmean(min((low + high) / 2, plan.max_prompt) for low, high in buckets)
-    return planned_bounds(model, 2, workload=PlanWorkload(prompt, plan.new_tokens(workload)))
+    work = PlanWorkload(prompt, plan.new_tokens(workload))
+    return planned_bounds(model, 2, workload=work, concurrency=PLAN_CONCURRENCY)
 
 
 class Cluster:

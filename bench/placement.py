@@ -35,7 +35,7 @@ from bench.processes import Processes, free_ports, node_ready, open_processes, s
 from bench.workload import CORPUS, make_requests
 from neuron_tai.cli_plan import planned_split
 from neuron_tai.client import open_client
-from neuron_tai.layer_costs import Measure, cached_costs
+from neuron_tai.layer_costs import Measure, cached_costs, chain_rows
 from neuron_tai.placement import Host, Plan, Workload, evaluate, plan
 from neuron_tai.shard import read_model_layers, stage_bounds, weight_balanced_bounds, write_stages
 
@@ -46,12 +46,17 @@ CGROUP_V1, CGROUP_V2 = Path("/sys/fs/cgroup/cpu"), Path("/sys/fs/cgroup")
 
 
 def planned_bounds(
-    model: Path, stages: int, speeds: Sequence[float] | None = None, workload: Workload | None = None
+    model: Path,
+    stages: int,
+    speeds: Sequence[float] | None = None,
+    workload: Workload | None = None,
+    concurrency: int = 8,
 ) -> list[tuple[int, int]]:
-    """The plan's split of `model` into `stages` (hosts of `speeds`, equal by default), from costs
-    measured on this machine with one thread per stage (cached after the first call)."""
+    """The plan's split of `model` into `stages` (hosts of `speeds`, equal by default) serving
+    `concurrency` sessions at once, from costs measured on this machine with one thread per stage
+    (cached after the first call)."""
     hosts = [Host(s) for s in speeds] if speeds is not None else None
-    return planned_split(model, stages, workload=workload, hosts=hosts).bounds
+    return planned_split(model, stages, concurrency=concurrency, workload=workload, hosts=hosts).bounds
 
 
 @contextlib.contextmanager
@@ -121,8 +126,10 @@ def run_split(procs: Processes, shards: list[Path], cgroup: Path, args: argparse
             procs.stop(name)
 
 
-def splits(model: Path, work: Workload, hosts: list[Host]) -> tuple[dict[str, list[tuple[int, int]]], dict[str, Plan]]:
-    costs = cached_costs(model, Measure(threads=1))
+def splits(
+    model: Path, work: Workload, hosts: list[Host], concurrency: int
+) -> tuple[dict[str, list[tuple[int, int]]], dict[str, Plan]]:
+    costs = cached_costs(model, Measure(threads=1, decode_rows=chain_rows(concurrency, len(hosts))))
     n = read_model_layers(model).block_count
     bounds = {
         "plan": plan(costs, hosts, work).bounds,
@@ -136,7 +143,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     model = bench_model(args.quick)
     work = Workload(PROMPT_TOKENS, args.max_new, 4096)
     hosts = [Host(1.0), Host(TAIL_SHARE)]
-    bounds, predicted = splits(model, work, hosts)
+    bounds, predicted = splits(model, work, hosts, args.concurrency)
     for name, b in bounds.items():
         print(f"{name:8} {b}  predicted bound {predicted[name].efficiency_bound:.3f}", flush=True)
     shards = {name: write_stages(model, WORK / "placement" / name, b) for name, b in bounds.items()}

@@ -17,7 +17,7 @@ from typing import Any
 
 from neuron_tai.cli_errors import UsageError
 from neuron_tai.cli_options import build, options_of
-from neuron_tai.layer_costs import Measure, cached_costs, load_costs
+from neuron_tai.layer_costs import Measure, cached_costs, chain_rows, load_costs
 from neuron_tai.placement import Host, ModelCosts, Plan, Workload, plan
 from transport.address import AddressError, check_address
 
@@ -50,10 +50,24 @@ class PlanOptions:
         default="16:128",
         metadata={"help": "prompt and generated tokens per request the split is for", "metavar": "PREFILL:DECODE"},
     )
+    concurrency: int = field(
+        default=8,
+        metadata={
+            "help": "sessions the chain serves at once: each stage's decode calls then carry half as many rows "
+            "(the head's 2 micro-batches; all of them with one stage), and the costs are measured at that many "
+            "rows, since llama.cpp's cost per row depends on rows per call",
+            "min": 1,
+            "metavar": "N",
+        },
+    )
     threads: int = field(default=1, metadata={"help": "llama.cpp threads of each stage", "min": 1})
     kv_cells: int = field(default=4096, metadata={"help": "KV cells each stage holds (memory, serve lines)", "min": 1})
     measure: bool = field(
-        default=False, metadata={"help": "print this machine's speed for --workload (give it as --host SPEED)"}
+        default=False,
+        metadata={
+            "help": "print this machine's speed for --workload, at the decode rows --concurrency and --stages "
+            "give (give it as --host SPEED)"
+        },
     )
     costs: Path | None = field(
         default=None,
@@ -91,10 +105,11 @@ def parse_workload(text: str) -> tuple[float, float]:
     return prefill, decode
 
 
-def _costs(opts: PlanOptions) -> ModelCosts:
+def _costs(opts: PlanOptions, stages: int) -> ModelCosts:
     if opts.costs is not None:
         return load_costs(opts.costs)
-    return cached_costs(opts.model, Measure(threads=opts.threads), remeasure=opts.remeasure)
+    how = Measure(threads=opts.threads, decode_rows=chain_rows(opts.concurrency, stages))
+    return cached_costs(opts.model, how, remeasure=opts.remeasure)
 
 
 def planned_split(
@@ -102,12 +117,15 @@ def planned_split(
     stages: int,
     *,
     threads: int = 1,
+    concurrency: int = 8,
     workload: Workload | None = None,
     costs: Path | None = None,
     hosts: Sequence[Host] | None = None,
 ) -> Plan:
-    """The plan for `stages` machines (equal unless `hosts` says): what `neuron-tai shard --stages N` writes."""
-    measured = load_costs(costs) if costs is not None else cached_costs(model, Measure(threads=threads))
+    """The plan for `stages` machines (equal unless `hosts` says) serving `concurrency` sessions at
+    once: what `neuron-tai shard --stages N` writes."""
+    how = Measure(threads=threads, decode_rows=chain_rows(concurrency, stages))
+    measured = load_costs(costs) if costs is not None else cached_costs(model, how)
     chosen = list(hosts) if hosts is not None else [Host()] * stages
     if len(chosen) != stages:
         raise ValueError(f"{stages} stages but {len(chosen)} hosts")
@@ -135,7 +153,8 @@ def _mib(n: int | None) -> str:
 
 def _report(opts: PlanOptions, costs: ModelCosts, hosts: list[tuple[Host, str | None]], chosen: Plan) -> list[str]:
     work = Workload(*parse_workload(opts.workload), kv_cells=opts.kv_cells)
-    source = f"from {opts.costs}" if opts.costs else f"measured here, {opts.threads} thread(s)"
+    rows = chain_rows(opts.concurrency, len(chosen.stages))
+    source = f"from {opts.costs}" if opts.costs else f"measured here, {opts.threads} thread(s), {rows}-row decode calls"
     out = [
         f"{opts.model.name}: {len(costs.layers)} layers, costs {source}; workload {work.prefill_tokens:g} prompt + "
         f"{work.decode_tokens:g} generated tokens per request, {work.kv_cells} KV cells per stage",
@@ -166,8 +185,8 @@ def _hosts(opts: PlanOptions) -> list[tuple[Host, str | None]]:
 def run_plan(values: Mapping[str, Any]) -> int:
     opts: PlanOptions = build(PlanOptions, options_of(PlanOptions), values)
     prefill, decode = parse_workload(opts.workload)
-    costs = _costs(opts)
     if opts.measure:
+        costs = _costs(opts, opts.stages or 1)
         whole = plan(costs, [Host()], Workload(prefill, decode, opts.kv_cells)).slowest_seconds
         speed = (prefill + decode) / whole if whole > 0 else math.inf
         print(f"speed {speed:.4g}  ({opts.model.name}: tokens per second of a whole-model stage for this workload)")
@@ -175,6 +194,7 @@ def run_plan(values: Mapping[str, Any]) -> int:
     if not opts.hosts and opts.stages is None:
         raise UsageError("give --stages N or one --host per machine")
     hosts = _hosts(opts)
+    costs = _costs(opts, len(hosts))
     chosen = plan(costs, [h for h, _ in hosts], Workload(prefill, decode, opts.kv_cells))
     print("\n".join(_report(opts, costs, hosts, chosen)))
     addresses = [a or f"tcp://HOST{i}:5555" for i, (_, a) in enumerate(hosts)]

@@ -32,7 +32,15 @@ from engine.messages import Output
 from neuron_tai.placement import ModelCosts, RowCosts
 from neuron_tai.shard import ShardError, layer_weights, open_header, read_model_layers
 
-__all__ = ["Measure", "cached_costs", "costs_cache_path", "load_costs", "measure_costs", "save_costs"]
+__all__ = [
+    "Measure",
+    "cached_costs",
+    "chain_rows",
+    "costs_cache_path",
+    "load_costs",
+    "measure_costs",
+    "save_costs",
+]
 
 _CONTEXT_TOKENS = 16  # each decode session's prompt: the step attends to a short context
 
@@ -45,6 +53,17 @@ class Measure:
     decode_rows: int = 8
     prefill_rows: int = 64
     reps: int = 3
+
+
+def chain_rows(concurrency: int, stages: int) -> int:
+    """Decode rows per call of each stage when `stages` serve `concurrency` sessions at once: a
+    chain's head runs its sessions in 2 micro-batches (`serve`'s default with `--next`), a lone
+    node in one call. Costs are measured at this many rows because llama.cpp's cost per row
+    depends on rows per call, and not smoothly: its repacked and tiled matmul kernels take rows
+    in blocks of 4, or from 8 rows on."""
+    if concurrency < 1 or stages < 1:
+        raise ValueError(f"need concurrency >= 1 and stages >= 1, not {concurrency} and {stages}")
+    return concurrency if stages == 1 else -(-concurrency // 2)
 
 
 @dataclass(frozen=True, slots=True)

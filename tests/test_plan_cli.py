@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from neuron_tai.cli import main
-from neuron_tai.layer_costs import Measure, load_costs, measure_costs, save_costs
+from neuron_tai.layer_costs import Measure, chain_rows, load_costs, measure_costs, save_costs
 from neuron_tai.placement import Host, ModelCosts, RowCosts, Workload, plan
 
 
@@ -105,12 +105,20 @@ def test_measured_costs_of_the_tiny_model_plan_and_shard(
     assert all(c.decode >= 0 and c.prefill >= 0 for c in costs.layers)
     code, lines, _ = run(capsys, "plan", str(tiny_model), "--measure")
     assert code == 0 and float(lines[0].split()[1]) > 0
-    assert list((tmp_path / "cache" / "neuron-tai" / "costs").glob("*.json"))  # measured once, cached
+    cached = tmp_path / "cache" / "neuron-tai" / "costs"
+    assert [p.name.split(".")[-2] for p in cached.glob("*.json")] == ["t1-d8-p64"]  # 8 sessions in one call
     code, lines, _ = run(capsys, "plan", str(tiny_model), "--stages", "2")
     planned = [line.split()[1] for line in lines if line[:1].isdigit()]
-    assert len(planned) == 2
+    assert len(planned) == 2 and "4-row decode calls" in lines[0]  # a chain's head: 2 micro-batches of 4
+    assert sorted(p.name.split(".")[-2] for p in cached.glob("*.json")) == ["t1-d4-p64", "t1-d8-p64"]
     code, lines, _ = run(capsys, "shard", str(tiny_model), "--stages", "2", "-o", str(tmp_path / "shards"))
     assert code == 0 and [line.split()[1] for line in lines] == planned  # shard --stages uses the plan
+
+
+def test_decode_rows_a_stage_is_measured_at() -> None:
+    assert [chain_rows(8, 1), chain_rows(8, 2), chain_rows(8, 3), chain_rows(7, 2), chain_rows(1, 2)] == [8, 4, 4, 4, 1]
+    with pytest.raises(ValueError, match="concurrency >= 1"):
+        chain_rows(0, 2)
 
 
 def test_shard_balance_plan_reads_a_costs_file(
