@@ -161,6 +161,17 @@ class NodeConfig:
             "min": 0,
         },
     )
+    # A chain stage pipelines a long step (a prompt) across the chain (neuron_tai/step_parts.py).
+    part_rows: int = field(
+        default=64,
+        metadata={
+            "help": "with --next: a step longer than this (a prompt) goes on in parts of this many rows, each "
+            "as soon as it is computed, so the next stage computes one while this one computes the next "
+            "(0: whole steps)",
+            "group": "tuning",
+            "min": 0,
+        },
+    )
     # Speculative `generate` (PROTOCOL.md): draft tokens verified per pass through the chain,
     # unless a request's `speculate` says otherwise. Only a node that runs generate uses it.
     speculate: int = field(

@@ -145,7 +145,7 @@ class Node:
         self.forwarder = Forwarder(self.next, engine) if self.next is not None else None
         self.gate = SessionGate()
         recovery = RecoveryLimits(config.recovery_attempts, config.recovery_deadline_s)
-        self.steps = StepRunner(engine, self.stage, self.forwarder, recovery)
+        self.steps = StepRunner(engine, self.stage, self.forwarder, recovery, config.part_rows)
         self.generations = Generations(engine, self.steps, self.gate, self.pool, self.outbox, config.speculate)
         self.leases = Leases(
             config.lease_s,

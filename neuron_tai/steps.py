@@ -1,9 +1,11 @@
 """A `step` through this stage and, with a next stage, the rest of the chain.
 
 The step runs in the engine; on a chain's head its hidden states go on to the next
-stage, whose answer is the step's. If the next stage does not take the step, it is
-undone here (rolled back to its `pos`) before the requester hears why: a failed step
-leaves the session exactly as it was, on every stage. The outcome stays a typed value,
+stage, whose answer is the step's. A step longer than `part_rows` (a prompt) goes on in
+parts (neuron_tai/step_parts.py): part k is sent while part k+1 computes here. If the next
+stage does not take the step, it is undone here (rolled back to its `pos`) before the
+requester hears why: a failed step leaves the session here as it was, and the next stage
+drops what it took of it at the session's next step, which rewinds there. The outcome stays a typed value,
 carrying the session's length and `max_tokens`, until the edge writes it to a socket.
 """
 
@@ -15,11 +17,13 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import trio
 
 from engine.engine import Engine
 from engine.messages import Output, Rollback, StepDone, StepRequest
 from neuron_tai.forwarding import BrokenRoute, Forwarder
 from neuron_tai.recovery import Recovery
+from neuron_tai.step_parts import step_parts
 from protocol.errors import ErrorCode, Fault
 from protocol.stage import Stage
 from transport import wire
@@ -92,11 +96,17 @@ class RecoveryLimits:
 
 class StepRunner:
     def __init__(
-        self, engine: Engine, stage: Stage, forwarder: Forwarder | None, recovery: RecoveryLimits = RecoveryLimits()
+        self,
+        engine: Engine,
+        stage: Stage,
+        forwarder: Forwarder | None,
+        recovery: RecoveryLimits = RecoveryLimits(),
+        part_rows: int = 0,
     ) -> None:
         self.engine = engine
         self.stage = stage
         self.forwarder = forwarder
+        self.part_rows = part_rows  # a longer step goes on in parts of this many rows (0: whole)
         self.recovery: Recovery[StepOutcome] | None = None
         if forwarder is not None and stage.first and recovery.attempts > 0:  # only the head sees tokens
             self.recovery = Recovery(
@@ -160,6 +170,9 @@ class StepRunner:
 
     async def _once(self, peer: bytes, req: wire.Step) -> StepOutcome | Fault | BrokenRoute:
         """One step through this stage and the chain; a step the chain did not take is rolled back."""
+        parts = self._parts(req)
+        if len(parts) > 1:
+            return await self._in_parts(peer, req, parts)
         local_out = _OUT[req.out] if self.forwarder is None else Output.HIDDEN
         request = StepRequest(peer, req.session, req.pos, local_out, tokens=req.tokens, hidden=req.hidden)
         done = await self.engine.request(request)
@@ -174,3 +187,71 @@ class StepRunner:
             await self.engine.cleanup(Rollback(peer, req.session, req.pos))
             return reply
         return StepOutcome(reply, done.length, done.max_tokens)  # its shape was checked on arrival
+
+    def _parts(self, req: wire.Step) -> list[wire.Step]:
+        """The step as the parts it goes on in: itself unless it is long and ends in one row's result
+        (`out: "tokens"` needs every row's; batch-invariant mode fixes chunks by position)."""
+        if self.forwarder is None or req.out not in ("token", "logits") or self.engine.config.batch_invariant:
+            return [req]
+        cuts = step_parts(req.pos, req.n, self.part_rows)
+        return [_part(req, pos, n, last=i == len(cuts) - 1) for i, (pos, n) in enumerate(cuts)]
+
+    async def _in_parts(self, peer: bytes, req: wire.Step, parts: list[wire.Step]) -> StepOutcome | Fault | BrokenRoute:
+        """A long step, part by part: each part goes on while the next one computes here."""
+        first = await self._here(peer, parts[0])
+        if isinstance(first, Fault):
+            return first
+        computed = first
+        for part, following in zip(parts, [*parts[1:], None], strict=True):
+            reply, after = await self._overlapped(peer, part, computed, following)
+            if not isinstance(reply, wire.Result):
+                return await self._undone(peer, req, reply)
+            if isinstance(after, Fault):
+                return await self._undone(peer, req, after)
+            if after is None:
+                return StepOutcome(replace(reply, pos=req.pos, n=req.n), computed.length, computed.max_tokens)
+            computed = after
+        raise AssertionError("the last part returns")
+
+    async def _undone(self, peer: bytes, req: wire.Step, why: Fault | BrokenRoute) -> Fault | BrokenRoute:
+        """The parts done here rolled back: the session as it was before the step."""
+        await self.engine.cleanup(Rollback(peer, req.session, req.pos))
+        return why
+
+    async def _overlapped(
+        self, peer: bytes, part: wire.Step, computed: StepDone, following: wire.Step | None
+    ) -> tuple[wire.Result | Fault | BrokenRoute, StepDone | Fault | None]:
+        """The next stage's reply to `part` (computed here), and `following` computed here meanwhile."""
+        assert self.forwarder is not None and computed.hidden is not None
+        sent: list[wire.Result | Fault | BrokenRoute] = []
+        after: StepDone | Fault | None = None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_send, self.forwarder, peer, part, computed.hidden, sent)
+            if following is not None:
+                after = await self._here(peer, following)
+        return sent[0], after
+
+    async def _here(self, peer: bytes, part: wire.Step) -> StepDone | Fault:
+        request = StepRequest(peer, part.session, part.pos, Output.HIDDEN, tokens=part.tokens, hidden=part.hidden)
+        done = await self.engine.request(request)
+        assert isinstance(done, StepDone | Fault)
+        return done
+
+
+def _part(req: wire.Step, pos: int, n: int, *, last: bool) -> wire.Step:
+    """Rows pos..pos+n of `req`; a part before the last asks the last stage for a token it drops
+    (a row of output, not the vocabulary's logits)."""
+    a, b = pos - req.pos, pos - req.pos + n
+    tokens = None if req.tokens is None else req.tokens[a:b]
+    hidden = None if req.hidden is None else req.hidden[a:b]
+    return replace(req, pos=pos, n=n, out=req.out if last else "token", tokens=tokens, hidden=hidden)
+
+
+async def _send(
+    forwarder: Forwarder,
+    peer: bytes,
+    part: wire.Step,
+    hidden: npt.NDArray[np.float32],
+    into: list[wire.Result | Fault | BrokenRoute],
+) -> None:
+    into.append(await forwarder.step(peer, part, hidden))
