@@ -490,6 +490,17 @@ def test_prometheus_endpoint_has_the_telemetry_names(tiny_model: Path) -> None:
         assert node.stop() == 0
 
 
+async def next_request(fake_next: zmq.Socket[bytes]) -> tuple[bytes, dict[str, Any]]:
+    """The next request a next stage the test answers by hand (a ROUTER socket) received."""
+    for _ in range(500):
+        try:
+            frames = fake_next.recv_multipart(zmq.NOBLOCK)
+            return frames[0], msgpack.unpackb(frames[1])
+        except zmq.Again:
+            await trio.sleep(0.01)
+    raise AssertionError("nothing was forwarded")
+
+
 async def test_chained_step_is_in_flight_until_the_next_stage_answers(tiny_shards2: list[Path]) -> None:
     """A step the head finished but the next stage has not answered yet still counts: `busy`."""
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
@@ -497,21 +508,12 @@ async def test_chained_step_is_in_flight_until_the_next_stage_answers(tiny_shard
     fake_next.setsockopt(zmq.LINGER, 0)
     port = fake_next.bind_to_random_port("tcp://127.0.0.1")
 
-    async def next_request() -> tuple[bytes, dict[str, Any]]:
-        for _ in range(500):
-            try:
-                frames = fake_next.recv_multipart(zmq.NOBLOCK)
-                return frames[0], msgpack.unpackb(frames[1])
-            except zmq.Again:
-                await trio.sleep(0.01)
-        raise AssertionError("nothing was forwarded")
-
     cfg = NodeConfig(engine_config(tiny_shards2[0]), bind="tcp://127.0.0.1:0", next=f"tcp://127.0.0.1:{port}")
     try:
         async with open_node(cfg) as head, open_client(head.address, timeout_s=5, retries=0) as c:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(functools.partial(c.open, "s", 20))
-                peer, req = await next_request()
+                peer, req = await next_request(fake_next)
                 assert req["op"] == "open"
                 opened = {
                     "v": 1,
@@ -529,7 +531,7 @@ async def test_chained_step_is_in_flight_until_the_next_stage_answers(tiny_shard
 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(first_step)
-                peer, req = await next_request()  # computed here, now held by the next stage
+                peer, req = await next_request(fake_next)  # computed here, now held by the next stage
                 assert req["op"] == "step" and req["input"] == "hidden" and req["n"] == 3
                 with pytest.raises(NodeError) as info:
                     await c.step("s", 0, tokens=[1, 5, 6])

@@ -20,7 +20,7 @@ from neuron_tai.client import NodeError, open_client
 from neuron_tai.config import NodeConfig
 from neuron_tai.node import open_node
 from neuron_tai.step_parts import step_parts
-from tests.test_node import engine_config, prompt
+from tests.test_node import engine_config, next_request, prompt
 
 
 @given(st.integers(0, 10_000), st.integers(1, 2_000), st.integers(0, 300))
@@ -69,16 +69,6 @@ def _answer(sock: zmq.Socket[bytes], peer: bytes, req: dict[str, Any], reply: di
     sock.send_multipart([peer, msgpack.packb({"v": 1, "rid": req["rid"], "session": req["session"], **reply}), *frames])
 
 
-async def _next_request(sock: zmq.Socket[bytes]) -> tuple[bytes, dict[str, Any]]:
-    for _ in range(500):
-        try:
-            frames = sock.recv_multipart(zmq.NOBLOCK)
-            return frames[0], msgpack.unpackb(frames[1])
-        except zmq.Again:
-            await trio.sleep(0.01)
-    raise AssertionError("nothing was forwarded")
-
-
 async def test_a_part_the_next_stage_refuses_undoes_the_whole_step_here(tiny_shards2: list[Path]) -> None:
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     fake_next = ctx.socket(zmq.ROUTER)  # a next stage the test answers by hand
@@ -91,7 +81,7 @@ async def test_a_part_the_next_stage_refuses_undoes_the_whole_step_here(tiny_sha
         async with open_node(cfg) as head, open_client(head.address, timeout_s=5, retries=0) as c:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(functools.partial(c.open, "s", 20))
-                peer, req = await _next_request(fake_next)
+                peer, req = await next_request(fake_next)
                 stage = {"last": True, "layers": [2, 4]}
                 _answer(fake_next, peer, req, {"op": "opened", "kv_reserved": 20, "stage": stage})
             failed: list[NodeError] = []
@@ -103,11 +93,11 @@ async def test_a_part_the_next_stage_refuses_undoes_the_whole_step_here(tiny_sha
 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(step)
-                peer, req = await _next_request(fake_next)
+                peer, req = await next_request(fake_next)
                 assert (req["pos"], req["n"], req["out"]) == (0, 2, "token")  # a part: its token is dropped
                 token = np.array([7], "<i4").tobytes()
                 _answer(fake_next, peer, req, {"op": "result", "pos": 0, "n": 2, "out": "token"}, token)
-                peer, req = await _next_request(fake_next)
+                peer, req = await next_request(fake_next)
                 assert (req["pos"], req["n"]) == (2, 2)
                 _answer(fake_next, peer, req, {"op": "error", "code": "position", "message": "refused by the test"})
             assert failed[0].code == "position"
