@@ -5,8 +5,9 @@ stage, whose answer is the step's. A step longer than `part_rows` (a prompt) goe
 parts (neuron_tai/step_parts.py): part k is sent while part k+1 computes here. If the next
 stage does not take the step, it is undone here (rolled back to its `pos`) before the
 requester hears why: a failed step leaves the session here as it was, and the next stage
-drops what it took of it at the session's next step, which rewinds there. The outcome stays a typed value,
-carrying the session's length and `max_tokens`, until the edge writes it to a socket.
+drops what it took of it at the session's next step, which rewinds there. The outcome
+stays a typed value, carrying the session's length and `max_tokens`, until the edge
+writes it to a socket.
 """
 
 from __future__ import annotations
@@ -232,6 +233,7 @@ class StepRunner:
         return sent[0], after
 
     async def _here(self, peer: bytes, part: wire.Step) -> StepDone | Fault:
+        """`part` through this stage's layers alone: its hidden states, to send on."""
         request = StepRequest(peer, part.session, part.pos, Output.HIDDEN, tokens=part.tokens, hidden=part.hidden)
         done = await self.engine.request(request)
         assert isinstance(done, StepDone | Fault)
