@@ -35,7 +35,7 @@ from bench.processes import Processes, free_ports, node_ready, open_processes, s
 from bench.workload import CORPUS, make_requests
 from neuron_tai.cli_plan import planned_split
 from neuron_tai.client import open_client
-from neuron_tai.layer_costs import Measure, cached_costs, chain_rows
+from neuron_tai.layer_costs import Measure, cached_costs
 from neuron_tai.placement import Host, Plan, Workload, evaluate, plan
 from neuron_tai.shard import read_model_layers, stage_bounds, weight_balanced_bounds, write_stages
 
@@ -129,7 +129,7 @@ def run_split(procs: Processes, shards: list[Path], cgroup: Path, args: argparse
 def splits(
     model: Path, work: Workload, hosts: list[Host], concurrency: int
 ) -> tuple[dict[str, list[tuple[int, int]]], dict[str, Plan]]:
-    costs = cached_costs(model, Measure(threads=1, decode_rows=chain_rows(concurrency, len(hosts))))
+    costs = cached_costs(model, Measure.for_chain(concurrency, len(hosts)))
     n = read_model_layers(model).block_count
     bounds = {
         "plan": plan(costs, hosts, work).bounds,

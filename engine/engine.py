@@ -120,7 +120,7 @@ class Engine:
             pad_seq,
             split_on_no_slot=not config.batch_invariant,
             record_iterations=config.record_iterations,
-            halve_decodes=config.split_decodes,
+            halve_decodes=config.split_decodes and self.scheduler.config.may_halve,
         )
         self.iterations = self.executor.iterations
         self._inbox_send, self._inbox = trio.open_memory_channel[tuple[Queued, Reply]](config.inbox_size)

@@ -88,6 +88,12 @@ class SchedulerConfig:
     def waiting_per_owner(self) -> int:
         return self.max_waiting_opens if self.max_waiting_per_owner is None else self.max_waiting_per_owner
 
+    @property
+    def may_halve(self) -> bool:
+        """Whether decode calls may run as halves: not in invariant mode (shapes fixed by position)
+        nor with micro-batches (each group's call is already a part of the whole)."""
+        return self.micro_batches == 1 and not self.batch_invariant
+
     def __post_init__(self) -> None:
         if self.sessions_per_owner < 1 or self.waiting_per_owner < 0:
             raise ValueError("need max_sessions_per_owner >= 1 and max_waiting_per_owner >= 0")
@@ -270,6 +276,36 @@ def _halved(groups: list[tuple[Chunk, ...]], halves: Callable[[int], bool]) -> l
         else:
             calls.append(Call(group))
     return calls
+
+
+def _step_refusal(
+    cfg: SchedulerConfig,
+    session: Session[Any],
+    pos: int,
+    n: int,
+    can_rewind: Callable[[int, int], bool] | None,
+    queued: tuple[int, int],
+    retry_ms: int,
+) -> Fault | None:
+    """Why a step cannot be taken by the session as it stands, or with `queued` (bytes queued
+    already, the step's) over the queue budget; None: it can."""
+    if session.step is not None:
+        return Fault(ErrorCode.BUSY, "the session already has a step in flight", retry_ms)
+    if n < 1:
+        return Fault(ErrorCode.BAD_REQUEST, "a step needs n >= 1")
+    if n > cfg.max_step_tokens:
+        return Fault(ErrorCode.TOO_LARGE, f"n={n} exceeds max_step_tokens {cfg.max_step_tokens}")
+    if pos < 0 or pos > session.length or pos + n > session.max_tokens:
+        return Fault(
+            ErrorCode.POSITION,
+            f"step at pos={pos} n={n}: session holds {session.length} of max_tokens {session.max_tokens}",
+        )
+    if pos < session.length and can_rewind is not None and not can_rewind(session.seq, pos):
+        return Fault(ErrorCode.POSITION, f"cannot rewind to {pos}: outside the sliding window")
+    held, nbytes = queued
+    if held + nbytes > cfg.queue_budget_bytes:
+        return Fault(ErrorCode.BUSY, f"queue budget full ({held} of {cfg.queue_budget_bytes} bytes)", retry_ms)
+    return None
 
 
 def _round_up(n: int, k: int) -> int:
@@ -477,30 +513,15 @@ class Scheduler(Generic[StepPayload, OpenPayload]):
         The one place a step's session state is checked. `can_rewind(seq, pos)` says whether
         the backend can still go back to `pos` (a sliding window forgets); None: always.
         """
-        cfg = self.config
         if self.shutting_down:
             return Fault(ErrorCode.SHUTTING_DOWN, "the node is draining")
         session = self.sessions.get(key)
         if session is None:
             return Fault(ErrorCode.UNKNOWN_SESSION, "no such open session on this connection")
-        if session.step is not None:
-            return Fault(ErrorCode.BUSY, "the session already has a step in flight", self.estimates.busy_retry_ms())
-        if n < 1:
-            return Fault(ErrorCode.BAD_REQUEST, "a step needs n >= 1")
-        if n > cfg.max_step_tokens:
-            return Fault(ErrorCode.TOO_LARGE, f"n={n} exceeds max_step_tokens {cfg.max_step_tokens}")
-        if pos < 0 or pos > session.length or pos + n > session.max_tokens:
-            return Fault(
-                ErrorCode.POSITION,
-                f"step at pos={pos} n={n}: session holds {session.length} of max_tokens {session.max_tokens}",
-            )
-        if pos < session.length and can_rewind is not None and not can_rewind(session.seq, pos):
-            return Fault(ErrorCode.POSITION, f"cannot rewind to {pos}: outside the sliding window")
-        if self.queued_bytes + nbytes > cfg.queue_budget_bytes:
-            return Fault(
-                ErrorCode.BUSY, f"queue budget full ({self.queued_bytes} of {cfg.queue_budget_bytes} bytes)",
-                self.estimates.busy_retry_ms(),
-            )  # fmt: skip
+        retry_ms = self.estimates.busy_retry_ms()
+        refused = _step_refusal(self.config, session, pos, n, can_rewind, (self.queued_bytes, nbytes), retry_ms)
+        if refused is not None:
+            return refused
         self._arrivals += 1
         step = Step(key, pos, n, nbytes, self._arrivals, payload, submitted_iteration=self.iteration)
         session.step = step
@@ -529,7 +550,7 @@ class Scheduler(Generic[StepPayload, OpenPayload]):
         `prefill_budget` lowers the prefill rows of an iteration that also carries decodes (sized
         from measured step times; 0: decode-only, to measure a decode step); invariant mode keeps
         fixed chunks. `halves(rows)`: whether a call of only decodes runs as two (call_split.py;
-        never with micro-batches or in invariant mode).
+        only where `config.may_halve`).
         """
         cfg = self.config
         decodes = sorted(
@@ -546,7 +567,7 @@ class Scheduler(Generic[StepPayload, OpenPayload]):
                 budget = min(budget, max(0, prefill_budget))
             chunks = decode_chunks + _prefill_chunks(self.sessions, self._rr, budget, None)
             groups = _by_group(self.sessions, chunks)
-            if halves is not None and cfg.micro_batches == 1 and len(chunks) == len(decode_chunks):
+            if halves is not None and cfg.may_halve and len(chunks) == len(decode_chunks):
                 calls = _halved(groups, halves)
                 halved = len(calls) > len(groups)
             else:

@@ -105,11 +105,14 @@ def parse_workload(text: str) -> tuple[float, float]:
     return prefill, decode
 
 
-def _costs(opts: PlanOptions, stages: int) -> ModelCosts:
-    if opts.costs is not None:
-        return load_costs(opts.costs)
-    how = Measure(threads=opts.threads, decode_rows=chain_rows(opts.concurrency, stages))
-    return cached_costs(opts.model, how, remeasure=opts.remeasure)
+def _costs(model: Path, costs: Path | None, how: Measure, *, remeasure: bool = False) -> ModelCosts:
+    """The costs from `costs` when given, else measured here as `how` says (cached)."""
+    return load_costs(costs) if costs is not None else cached_costs(model, how, remeasure=remeasure)
+
+
+def _opts_costs(opts: PlanOptions, stages: int) -> ModelCosts:
+    how = Measure.for_chain(opts.concurrency, stages, opts.threads)
+    return _costs(opts.model, opts.costs, how, remeasure=opts.remeasure)
 
 
 def planned_split(
@@ -124,8 +127,7 @@ def planned_split(
 ) -> Plan:
     """The plan for `stages` machines (equal unless `hosts` says) serving `concurrency` sessions at
     once: what `neuron-tai shard --stages N` writes."""
-    how = Measure(threads=threads, decode_rows=chain_rows(concurrency, stages))
-    measured = load_costs(costs) if costs is not None else cached_costs(model, how)
+    measured = _costs(model, costs, Measure.for_chain(concurrency, stages, threads))
     chosen = list(hosts) if hosts is not None else [Host()] * stages
     if len(chosen) != stages:
         raise ValueError(f"{stages} stages but {len(chosen)} hosts")
@@ -186,7 +188,7 @@ def run_plan(values: Mapping[str, Any]) -> int:
     opts: PlanOptions = build(PlanOptions, options_of(PlanOptions), values)
     prefill, decode = parse_workload(opts.workload)
     if opts.measure:
-        costs = _costs(opts, opts.stages or 1)
+        costs = _opts_costs(opts, opts.stages or 1)
         whole = plan(costs, [Host()], Workload(prefill, decode, opts.kv_cells)).slowest_seconds
         speed = (prefill + decode) / whole if whole > 0 else math.inf
         print(f"speed {speed:.4g}  ({opts.model.name}: tokens per second of a whole-model stage for this workload)")
@@ -194,7 +196,7 @@ def run_plan(values: Mapping[str, Any]) -> int:
     if not opts.hosts and opts.stages is None:
         raise UsageError("give --stages N or one --host per machine")
     hosts = _hosts(opts)
-    costs = _costs(opts, len(hosts))
+    costs = _opts_costs(opts, len(hosts))
     chosen = plan(costs, [h for h, _ in hosts], Workload(prefill, decode, opts.kv_cells))
     print("\n".join(_report(opts, costs, hosts, chosen)))
     addresses = [a or f"tcp://HOST{i}:5555" for i, (_, a) in enumerate(hosts)]

@@ -54,6 +54,11 @@ class Measure:
     prefill_rows: int = 64
     reps: int = 3
 
+    @classmethod
+    def for_chain(cls, concurrency: int, stages: int, threads: int = 1) -> Measure:
+        """Timed at the rows each stage's decode calls carry (`chain_rows`)."""
+        return cls(threads=threads, decode_rows=chain_rows(concurrency, stages))
+
 
 def chain_rows(concurrency: int, stages: int) -> int:
     """Decode rows per call of each stage when `stages` serve `concurrency` sessions at once: a

@@ -171,34 +171,28 @@ class StepRunner:
 
     async def _once(self, peer: bytes, req: wire.Step) -> StepOutcome | Fault | BrokenRoute:
         """One step through this stage and the chain; a step the chain did not take is rolled back."""
-        parts = self._parts(req)
-        if len(parts) > 1:
-            return await self._in_parts(peer, req, parts)
-        local_out = _OUT[req.out] if self.forwarder is None else Output.HIDDEN
-        request = StepRequest(peer, req.session, req.pos, local_out, tokens=req.tokens, hidden=req.hidden)
+        if self.forwarder is not None:
+            return await self._through_chain(peer, req, self._parts(req))
+        request = StepRequest(peer, req.session, req.pos, _OUT[req.out], tokens=req.tokens, hidden=req.hidden)
         done = await self.engine.request(request)
         if isinstance(done, Fault):
             return done
         assert isinstance(done, StepDone)
-        if self.forwarder is None:
-            return _local(done, req)
-        assert done.hidden is not None
-        reply = await self.forwarder.step(peer, req, done.hidden)
-        if isinstance(reply, Fault | BrokenRoute):
-            await self.engine.cleanup(Rollback(peer, req.session, req.pos))
-            return reply
-        return StepOutcome(reply, done.length, done.max_tokens)  # its shape was checked on arrival
+        return _local(done, req)
 
     def _parts(self, req: wire.Step) -> list[wire.Step]:
         """The step as the parts it goes on in: itself unless it is long and ends in one row's result
         (`out: "tokens"` needs every row's; batch-invariant mode fixes chunks by position)."""
-        if self.forwarder is None or req.out not in ("token", "logits") or self.engine.config.batch_invariant:
+        if req.out not in ("token", "logits") or self.engine.config.batch_invariant:
             return [req]
         cuts = step_parts(req.pos, req.n, self.part_rows)
         return [_part(req, pos, n, last=i == len(cuts) - 1) for i, (pos, n) in enumerate(cuts)]
 
-    async def _in_parts(self, peer: bytes, req: wire.Step, parts: list[wire.Step]) -> StepOutcome | Fault | BrokenRoute:
-        """A long step, part by part: each part goes on while the next one computes here."""
+    async def _through_chain(
+        self, peer: bytes, req: wire.Step, parts: list[wire.Step]
+    ) -> StepOutcome | Fault | BrokenRoute:
+        """The step here and on the next stage, part by part: each part goes on while the next one
+        computes here. The answer is the last part's reply, as the whole step's."""
         first = await self._here(peer, parts[0])
         if isinstance(first, Fault):
             return first
@@ -209,7 +203,7 @@ class StepRunner:
                 return await self._undone(peer, req, reply)
             if isinstance(after, Fault):
                 return await self._undone(peer, req, after)
-            if after is None:
+            if after is None:  # its shape was checked on arrival
                 return StepOutcome(replace(reply, pos=req.pos, n=req.n), computed.length, computed.max_tokens)
             computed = after
         raise AssertionError("the last part returns")
@@ -224,12 +218,12 @@ class StepRunner:
     ) -> tuple[wire.Result | Fault | BrokenRoute, StepDone | Fault | None]:
         """The next stage's reply to `part` (computed here), and `following` computed here meanwhile."""
         assert self.forwarder is not None and computed.hidden is not None
+        if following is None:  # the last part (a decode step's only one): nothing to overlap
+            return await self.forwarder.step(peer, part, computed.hidden), None
         sent: list[wire.Result | Fault | BrokenRoute] = []
-        after: StepDone | Fault | None = None
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_send, self.forwarder, peer, part, computed.hidden, sent)
-            if following is not None:
-                after = await self._here(peer, following)
+            after = await self._here(peer, following)
         return sent[0], after
 
     async def _here(self, peer: bytes, part: wire.Step) -> StepDone | Fault:
