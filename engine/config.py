@@ -203,7 +203,7 @@ class EngineConfig:
     # Session groups run in calls of their own, each answered as soon as it is computed: at a
     # chain's head, one group's hidden states travel on (and compute downstream) while the next
     # group computes here. 1 runs every session in one call (nothing to overlap on a single node);
-    # None: 1, or 2 when a node has a next stage (the node decides).
+    # None: the node decides (2 on a chain's head, else 1).
     micro_batches: int | None = field(
         default=None,
         metadata={
@@ -211,7 +211,7 @@ class EngineConfig:
             "computes (a chain of N stages keeps all busy with N)",
             "group": "tuning",
             "min": 1,
-            "shown": "2 with --next, else 1 = off",
+            "shown": "2 on a chain's head (--next, first layer), else 1 = off",
         },
     )
     # Per connection (the owner of a request): open sessions, waiting opens, and opens and steps

@@ -17,7 +17,8 @@ from typing import Any
 
 from neuron_tai.cli_errors import UsageError
 from neuron_tai.cli_options import build, options_of
-from neuron_tai.layer_costs import Measure, cached_costs, chain_rows, load_costs
+from neuron_tai.config import CHAIN_MICRO_BATCHES
+from neuron_tai.layer_costs import Measure, cached_costs, chain_micro_batches, chain_rows, load_costs
 from neuron_tai.placement import Host, ModelCosts, Plan, Workload, plan
 from transport.address import AddressError, check_address
 
@@ -53,9 +54,9 @@ class PlanOptions:
     concurrency: int = field(
         default=8,
         metadata={
-            "help": "sessions the chain serves at once: each stage's decode calls then carry half as many rows "
-            "(the head's 2 micro-batches; all of them with one stage), and the costs are measured at that many "
-            "rows, since llama.cpp's cost per row depends on rows per call",
+            "help": "sessions the chain serves at once: each stage's decode calls then carry 1/N of them "
+            "(a chain of N stages runs N micro-batches; all of them with one stage), and the costs are measured "
+            "at that many rows, since llama.cpp's cost per row depends on rows per call",
             "min": 1,
             "metavar": "N",
         },
@@ -137,14 +138,21 @@ def planned_split(
 def serve_lines(
     model: Path, chosen: Plan, addresses: Sequence[str], threads: int, kv_cells: int
 ) -> list[tuple[int, str]]:
-    """Each stage's `neuron-tai serve` line, tail first: a stage's --next is up before it starts."""
+    """Each stage's `neuron-tai serve` line, tail first: a stage's --next is up before it starts.
+
+    A chain longer than 2 stages keeps one micro-batch per stage in flight: the head is told
+    how many (serve's default, 2, is a 2-stage chain's); the stages below run its groups."""
     lines = []
-    for i in reversed(range(len(chosen.stages))):
+    n = len(chosen.stages)
+    groups = chain_micro_batches(n)
+    for i in reversed(range(n)):
         a, b = chosen.stages[i].layers
         args = ["neuron-tai", "serve", str(model), "--layers", f"{a}:{b}", "--bind", addresses[i]]
         args += ["--threads", str(threads), "--kv-cells", str(kv_cells)]
-        if i + 1 < len(chosen.stages):
+        if i + 1 < n:
             args += ["--next", addresses[i + 1]]
+        if i == 0 and n > 1 and groups != CHAIN_MICRO_BATCHES:
+            args += ["--micro-batches", str(groups)]
         lines.append((i, shlex.join(args)))
     return lines
 

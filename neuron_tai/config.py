@@ -15,6 +15,10 @@ from neuron_tai.security import ServerCurve
 from transport import memory_bounds as bounds
 from transport import wire
 
+# Micro-batches of a node with --next unless told (--micro-batches): a 2-stage chain's head
+# keeps both stages busy with 2; longer chains are given one per stage (`neuron-tai plan`).
+CHAIN_MICRO_BATCHES = 2
+
 
 def _bytes(help_text: str, group: str = "memory") -> dict[str, Any]:
     return {"help": help_text, "group": group, "kind": "bytes", "min": 0}

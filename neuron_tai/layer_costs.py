@@ -35,6 +35,7 @@ from neuron_tai.shard import ShardError, layer_weights, open_header, read_model_
 __all__ = [
     "Measure",
     "cached_costs",
+    "chain_micro_batches",
     "chain_rows",
     "costs_cache_path",
     "load_costs",
@@ -62,13 +63,20 @@ class Measure:
 
 def chain_rows(concurrency: int, stages: int) -> int:
     """Decode rows per call of each stage when `stages` serve `concurrency` sessions at once: a
-    chain's head runs its sessions in 2 micro-batches (`serve`'s default with `--next`), a lone
-    node in one call. Costs are measured at this many rows because llama.cpp's cost per row
-    depends on rows per call, and not smoothly: its repacked and tiled matmul kernels take rows
-    in blocks of 4, or from 8 rows on."""
+    chain's head runs its sessions in as many micro-batches as the chain has stages (2 is
+    `serve`'s default with `--next`; `plan` gives longer chains theirs), a lone node in one
+    call. Costs are measured at this many rows because llama.cpp's cost per row depends on
+    rows per call, and not smoothly: its repacked and tiled matmul kernels take rows in
+    blocks of 4, or from 8 rows on."""
     if concurrency < 1 or stages < 1:
         raise ValueError(f"need concurrency >= 1 and stages >= 1, not {concurrency} and {stages}")
-    return concurrency if stages == 1 else -(-concurrency // 2)
+    return -(-concurrency // chain_micro_batches(stages))
+
+
+def chain_micro_batches(stages: int) -> int:
+    """The micro-batches a chain of `stages` keeps in flight so that every stage can be busy at
+    once: one per stage (1 for a lone node)."""
+    return stages
 
 
 @dataclass(frozen=True, slots=True)

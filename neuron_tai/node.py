@@ -33,8 +33,9 @@ import trio
 import zmq
 
 from engine.engine import Engine, open_engine
+from engine.gguf_facts import read_facts
 from engine.messages import DropOwner, SessionEnded
-from neuron_tai.config import NodeConfig
+from neuron_tai.config import CHAIN_MICRO_BATCHES, NodeConfig
 from neuron_tai.downstream import NextStage
 from neuron_tai.forwarding import Forwarder
 from neuron_tai.generate_run import Generations
@@ -304,6 +305,14 @@ class Node:
         return stats
 
 
+def _default_micro_batches(config: NodeConfig) -> int:
+    """A chain's head overlaps its micro-batches with the next stage's compute. A stage fed by
+    another runs each group as it comes from upstream (engine/linger.py, `settling`): groups of
+    its own would only cut those in smaller calls."""
+    head = config.next is not None and read_facts(config.engine.model).first
+    return CHAIN_MICRO_BATCHES if head else 1
+
+
 @asynccontextmanager
 async def open_node(config: NodeConfig) -> AsyncIterator[Node]:
     """Run a node inside the caller's Trio program; drains and closes on exit.
@@ -311,8 +320,8 @@ async def open_node(config: NodeConfig) -> AsyncIterator[Node]:
     The socket is bound before the model loads, so a busy address fails at once with
     ZeroMQ's own error (EADDRINUSE), and nothing is left open behind it."""
     engine_config = config.engine
-    if engine_config.micro_batches is None:  # a head overlaps its micro-batches with the next stage's
-        engine_config = replace(engine_config, micro_batches=2 if config.next else 1)
+    if engine_config.micro_batches is None:
+        engine_config = replace(engine_config, micro_batches=_default_micro_batches(config))
     with open_zmq_context(config.curve) as (ctx, allow):
         router = bind_router(ctx, config)
         node: Node | None = None

@@ -86,6 +86,26 @@ def test_three_stage_chain_is_bit_identical_to_one_node(
         assert head.stop() == 0 and mid.stop() == 0 and tail.stop() == 0 and single.stop() == 0
 
 
+def test_only_a_chains_head_runs_micro_batches_by_default(tiny_shards3: list[Path]) -> None:
+    """A stage fed by another runs each group as it comes (groups of its own would cut them up);
+    a lone node has nothing to overlap. An operator's --micro-batches is kept everywhere."""
+
+    async def main() -> None:
+        tail_cfg = NodeConfig(engine_config(tiny_shards3[2]), bind="tcp://127.0.0.1:0")
+        async with open_node(tail_cfg) as tail:
+            mid_cfg = NodeConfig(engine_config(tiny_shards3[1]), bind="tcp://127.0.0.1:0", next=tail.address)
+            told = NodeConfig(
+                engine_config(tiny_shards3[1], micro_batches=3), bind="tcp://127.0.0.1:0", next=tail.address
+            )
+            async with open_node(mid_cfg) as mid, open_node(told) as told_mid:
+                head_cfg = NodeConfig(engine_config(tiny_shards3[0]), bind="tcp://127.0.0.1:0", next=mid.address)
+                async with open_node(head_cfg) as head:
+                    got = [n.stats()["micro_batches"] for n in (head, mid, tail, told_mid)]
+        assert got == [2, 1, 1, 3]
+
+    trio.run(main)
+
+
 def test_killed_downstream_rolls_back_and_recovers_after_restart(tiny_shards2: list[Path]) -> None:
     addr = [f"tcp://127.0.0.1:{p}" for p in free_ports(2)]
     tail = NodeProcess(tiny_shards2[1], addr[1])

@@ -63,6 +63,9 @@ def test_plan_prints_the_split_the_bound_and_serve_lines_tail_first(
     assert [s[s.index("--bind") + 1] for s in serve] == [h.split("@")[1] for h in reversed(hosts)]
     assert "--next" not in serve[0]
     assert [s[s.index("--next") + 1] for s in serve[1:]] == ["tcp://10.0.0.3:5557", "tcp://10.0.0.2:5556"]
+    # Three stages keep three micro-batches in flight: the head is told; the stages below run its groups.
+    assert ["--micro-batches" in s for s in serve] == [False, False, True]
+    assert serve[2][serve[2].index("--micro-batches") + 1] == "3"
 
 
 def test_a_memory_limit_moves_layers_and_an_impossible_one_is_one_line(
@@ -110,13 +113,15 @@ def test_measured_costs_of_the_tiny_model_plan_and_shard(
     code, lines, _ = run(capsys, "plan", str(tiny_model), "--stages", "2")
     planned = [line.split()[1] for line in lines if line[:1].isdigit()]
     assert len(planned) == 2 and "4-row decode calls" in lines[0]  # a chain's head: 2 micro-batches of 4
+    assert not any("--micro-batches" in line for line in lines)  # serve's default with --next
     assert sorted(p.name.split(".")[-2] for p in cached.glob("*.json")) == ["t1-d4-p64", "t1-d8-p64"]
     code, lines, _ = run(capsys, "shard", str(tiny_model), "--stages", "2", "-o", str(tmp_path / "shards"))
     assert code == 0 and [line.split()[1] for line in lines] == planned  # shard --stages uses the plan
 
 
 def test_decode_rows_a_stage_is_measured_at() -> None:
-    assert [chain_rows(8, 1), chain_rows(8, 2), chain_rows(8, 3), chain_rows(7, 2), chain_rows(1, 2)] == [8, 4, 4, 4, 1]
+    # A chain of N stages runs N micro-batches: 1/N of the sessions a call.
+    assert [chain_rows(8, 1), chain_rows(8, 2), chain_rows(8, 3), chain_rows(7, 2), chain_rows(1, 2)] == [8, 4, 3, 4, 1]
     with pytest.raises(ValueError, match="concurrency >= 1"):
         chain_rows(0, 2)
 
