@@ -30,6 +30,7 @@ import trio
 
 from engine.backend import KV_TYPES, StageBackend
 from engine.budgets import BudgetError, Budgets, KvShape, kv_layout
+from engine.bursts import Bursts
 from engine.cleanups import CleanupQueue, ClosedListener, tell
 from engine.compaction import compact
 from engine.compute_thread import ComputeThread
@@ -125,7 +126,7 @@ class Engine:
         self.iterations = self.executor.iterations
         self._inbox_send, self._inbox = trio.open_memory_channel[tuple[Queued, Reply]](config.inbox_size)
         self._queued: Counter[Any] = Counter()  # requests in the inbox, by owner
-        self._last_step_at = -math.inf  # when the last step came in: a burst under way?
+        self._bursts = Bursts(SETTLE_GAP_S)  # how steps come in from a stage above
         self._cleanups = CleanupQueue()
         # Once: asking llama.cpp about every vocabulary entry takes a while on large vocabularies.
         self.eog_tokens = frozenset(t for t in range(self.info.n_vocab) if backend.model.is_eog(t))
@@ -169,7 +170,8 @@ class Engine:
             return counted(Fault(ErrorCode.SHUTTING_DOWN, "the node has stopped"))
         self._queued[request.owner] += 1
         if isinstance(request, StepRequest):
-            self._last_step_at = trio.current_time()
+            key, now = (request.owner, request.session), trio.current_time()
+            self._bursts.arrived(key, now, self.scheduler.sessions, decode=request.n == 1)
         return None
 
     def _taken(self, request: Queued) -> None:
@@ -352,11 +354,11 @@ class Engine:
         micro_batches = self.scheduler.config.micro_batches if self.info.first else 1
         limit = linger_limit_s(self.config.linger_ms, self.scheduler.estimates.step_ms, micro_batches)
         if self.info.first:
-            await self._take_while(self._lingering, limit, math.inf)
+            await self._take_while(self._lingering, limit, lambda: math.inf)
         else:
-            await self._take_while(self._settling, limit, SETTLE_GAP_S)
+            await self._take_while(self._settling, limit, self._settle_gap)
 
-    async def _take_while(self, waiting: Callable[[], bool], limit_s: float, gap_s: float) -> None:
+    async def _take_while(self, waiting: Callable[[], bool], limit_s: float, gap_s: Callable[[], float]) -> None:
         if limit_s <= 0 or not waiting():
             return
         started = time.perf_counter()
@@ -364,7 +366,18 @@ class Engine:
         self.telemetry.linger_seconds_total += time.perf_counter() - started
 
     def _settling(self) -> bool:
-        return settling(self.scheduler.sessions, trio.current_time() - self._last_step_at, SETTLE_GAP_S)
+        missing = self._mates_missing()
+        if missing is not None:  # the sessions' mates say whether the burst is whole (engine/bursts.py)
+            return missing
+        return settling(self.scheduler.sessions, self._bursts.since_last(trio.current_time()), SETTLE_GAP_S)
+
+    def _settle_gap(self) -> float:
+        """How long the next step of a burst may take: any time (within the limit) for a mate still out."""
+        return math.inf if self._mates_missing() else SETTLE_GAP_S
+
+    def _mates_missing(self) -> bool | None:
+        sessions = self.scheduler.sessions
+        return self._bursts.missing({key for key, s in sessions.items() if s.step is not None}, sessions)
 
     def _lingering(self) -> bool:
         return lingering(self.scheduler.sessions, self.sessions.coming_back)

@@ -15,14 +15,14 @@ async def take_while(
     take: Callable[[T], None],
     waiting: Callable[[], bool],
     limit_s: float,
-    gap_s: float,
+    gap_s: Callable[[], float],
 ) -> None:
     """Take requests while `waiting()`, for at most `limit_s`, and while each next one comes
-    within `gap_s`."""
+    within `gap_s()` (asked again before each)."""
     with trio.move_on_after(limit_s):
         while waiting():
             got: list[T] = []
-            with trio.move_on_after(gap_s):
+            with trio.move_on_after(gap_s()):
                 got.append(await inbox.receive())
             if not got:
                 return
