@@ -352,7 +352,8 @@ class Engine:
         await trio.lowlevel.checkpoint()  # in-process requesters answer within one checkpoint
         self._drain_inbox()
         micro_batches = self.scheduler.config.micro_batches if self.info.first else 1
-        limit = linger_limit_s(self.config.linger_ms, self.scheduler.estimates.step_ms, micro_batches)
+        turnaround = self.sessions.turnarounds.typical_ms
+        limit = linger_limit_s(self.config.linger_ms, self.scheduler.estimates.step_ms, micro_batches, turnaround)
         if self.info.first:
             await self._take_while(self._lingering, limit, lambda: math.inf)
         else:

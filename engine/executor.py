@@ -136,6 +136,8 @@ class Executor:
         """A completed step's result, with its session's state after it, to its requester."""
         session = self.scheduler.sessions[step.key]
         self.sessions.coming_back.add(step.key)
+        if step.is_decode:  # a decode's turnaround is the group's rhythm; a prompt's is its own
+            self.sessions.answered_at[step.key] = now_ms()
         try:
             step.payload.reply.deliver(_done(step.payload, last, session))
         except RequesterGone:  # nobody will read this session again

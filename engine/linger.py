@@ -5,22 +5,53 @@ Pure policy (no Trio, no llama.cpp); the engine task applies it between iteratio
 
 from __future__ import annotations
 
+import math
+from collections import deque
 from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine.scheduler import Session, SessionKey
 
 
-def linger_limit_s(linger_ms: float, step_ms: float, micro_batches: int) -> float:
+def linger_limit_s(linger_ms: float, step_ms: float, micro_batches: int, turnaround_ms: float = 0.0) -> float:
     """How long to wait for sessions expected back: at most 10% of a step (`linger_ms` caps it),
     except on a chain's head (more than one micro-batch), whose groups come back from the next
-    stage together: there a group is worth up to a step of waiting, since running part of it
-    costs a call of its own and leaves the rest out of phase for good. 0: never."""
+    stage together: there a group is worth up to a step of waiting, or as long as sessions
+    take to come back (`turnaround_ms`, `Turnarounds.typical_ms`) when the stages below are
+    slower than this one, since running part of it costs a call of its own here and below,
+    and leaves the rest out of phase for good. 0: never."""
     if linger_ms <= 0:
         return 0.0
     if micro_batches > 1:
-        return step_ms / 1000
+        return min(max(step_ms, turnaround_ms), MAX_HEAD_LINGER_MS) / 1000
     return min(linger_ms, 0.1 * step_ms) / 1000
+
+
+MAX_HEAD_LINGER_MS = 1000.0  # a head never holds a group longer for a member still out
+
+
+@dataclass(slots=True)
+class Turnarounds:
+    """How long answered sessions take to send their next step: on a chain's head, the stages
+    below and the hops, and the requester's own turn (a client's, or server-side generate's)."""
+
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=Turnarounds.WINDOW))
+
+    WINDOW = 64
+    QUANTILE = 0.9
+    MARGIN = 1.5  # past the 90th percentile of recent ones: a member this late is late
+
+    def observe(self, ms: float) -> None:
+        self.recent.append(ms)
+
+    @property
+    def typical_ms(self) -> float:
+        """The wait that covers a usual return (0 before any)."""
+        if not self.recent:
+            return 0.0
+        ordered = sorted(self.recent)
+        return self.MARGIN * ordered[max(0, math.ceil(self.QUANTILE * len(ordered)) - 1)]
 
 
 def lingering(sessions: Mapping[SessionKey, Session[Any]], coming_back: Collection[SessionKey]) -> bool:

@@ -14,6 +14,7 @@ import time
 
 from engine.backend import StageBackend
 from engine.cleanups import PendingCleanup, tell
+from engine.linger import Turnarounds
 from engine.messages import (
     CloseAnswered,
     CloseRequest,
@@ -59,6 +60,8 @@ class Sessions:
         self.graveyard = graveyard  # batch-invariant mode: where dropped cells stay held
         # Answered, next step not here yet: kept until their group runs again (then they are late).
         self.coming_back: set[SessionKey] = set()
+        self.answered_at: dict[SessionKey, float] = {}  # decodes: ms, until the next step comes (or it ends)
+        self.turnarounds = Turnarounds()  # how long that takes: what a chain's head lingers for
         # The node's callback from before `session_ends`, called (owner, session) in the engine
         # task for each session freed; it goes once the node reads `Engine.session_ends`.
 
@@ -112,6 +115,9 @@ class Sessions:
             return
         key = (request.owner, request.session)
         self.coming_back.discard(key)
+        answered = self.answered_at.pop(key, None)
+        if answered is not None:
+            self.turnarounds.observe(now_ms() - answered)
         session = self.scheduler.sessions.get(key)
         length = 0 if session is None else session.length
         outcome = self.scheduler.submit(
@@ -147,6 +153,7 @@ class Sessions:
     def close(self, key: SessionKey, reason: EndReason, why: str, code: ErrorCode = ErrorCode.UNKNOWN_SESSION) -> bool:
         """Free a session; a step it had pending is answered `code` ("`why` before this step ran")."""
         self.coming_back.discard(key)
+        self.answered_at.pop(key, None)
         session = self.scheduler.close(key, now_ms())
         if session is None:
             return False

@@ -5,19 +5,33 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.linger import SETTLE_GAP_S, linger_limit_s, lingering, settling
+from engine.linger import MAX_HEAD_LINGER_MS, SETTLE_GAP_S, Turnarounds, linger_limit_s, lingering, settling
 from engine.scheduler import Session, Step
 
 
-@given(st.floats(-5, 100), st.floats(0, 10_000), st.integers(1, 8))
-def test_the_wait_is_bounded_by_a_step_and_off_at_zero(linger_ms: float, step_ms: float, groups: int) -> None:
-    limit = linger_limit_s(linger_ms, step_ms, groups)
+@given(st.floats(-5, 100), st.floats(0, 10_000), st.integers(1, 8), st.floats(0, 10_000))
+def test_the_wait_is_bounded_and_off_at_zero(linger_ms: float, step_ms: float, groups: int, back_ms: float) -> None:
+    limit = linger_limit_s(linger_ms, step_ms, groups, back_ms)
     if linger_ms <= 0:
         assert limit == 0
-    elif groups > 1:  # a chain's head: a group coming back is worth up to a step
-        assert limit == step_ms / 1000
+    elif groups > 1:  # a chain's head: a group coming back is worth a step, or its usual return
+        assert limit == min(max(step_ms, back_ms), MAX_HEAD_LINGER_MS) / 1000
     else:
         assert 0 <= limit <= min(linger_ms, 0.1 * step_ms) / 1000
+
+
+@given(st.lists(st.floats(0, 5_000), max_size=200))
+def test_a_usual_return_covers_nine_in_ten_of_the_recent_ones(returns: list[float]) -> None:
+    turnarounds = Turnarounds()
+    for ms in returns:
+        turnarounds.observe(ms)
+    recent = returns[-Turnarounds.WINDOW :]
+    typical = turnarounds.typical_ms
+    if not recent:
+        assert typical == 0
+    else:
+        covered = sum(1 for ms in recent if ms * Turnarounds.MARGIN <= typical)
+        assert covered >= 0.9 * len(recent) and typical <= Turnarounds.MARGIN * max(recent)
 
 
 def session(name: str, group: int, ready: bool) -> Session[None]:
