@@ -13,22 +13,21 @@ from typing import Any
 
 from engine.scheduler import Session, SessionKey
 
+MAX_HEAD_LINGER_MS = 1000.0  # a head never holds a group longer for a member still out
+
 
 def linger_limit_s(linger_ms: float, step_ms: float, micro_batches: int, turnaround_ms: float = 0.0) -> float:
     """How long to wait for sessions expected back: at most 10% of a step (`linger_ms` caps it),
     except on a chain's head (more than one micro-batch), whose groups come back from the next
-    stage together: there a group is worth up to a step of waiting, or as long as sessions
-    take to come back (`turnaround_ms`, `Turnarounds.typical_ms`) when the stages below are
-    slower than this one, since running part of it costs a call of its own here and below,
-    and leaves the rest out of phase for good. 0: never."""
+    stage together: there a group is worth up to a step of waiting, or as long as its sessions
+    usually take to come back (`turnaround_ms`, `Turnarounds.typical_ms`: longer when the
+    stages below are slower than this one), since running part of it costs a call of its own
+    here and below, and leaves the rest out of phase for good. 0: never."""
     if linger_ms <= 0:
         return 0.0
     if micro_batches > 1:
         return min(max(step_ms, turnaround_ms), MAX_HEAD_LINGER_MS) / 1000
     return min(linger_ms, 0.1 * step_ms) / 1000
-
-
-MAX_HEAD_LINGER_MS = 1000.0  # a head never holds a group longer for a member still out
 
 
 @dataclass(slots=True)

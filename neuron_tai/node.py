@@ -307,7 +307,7 @@ class Node:
 
 def _default_micro_batches(config: NodeConfig) -> int:
     """A chain's head overlaps its micro-batches with the next stage's compute. A stage fed by
-    another runs each group as it comes from upstream (engine/linger.py, `settling`): groups of
+    another runs each group as it comes from upstream (engine/bursts.py): groups of
     its own would only cut those in smaller calls."""
     head = config.next is not None and read_facts(config.engine.model).first
     return CHAIN_MICRO_BATCHES if head else 1

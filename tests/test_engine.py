@@ -748,6 +748,22 @@ async def test_a_group_runs_without_the_absent_members_of_another(
         assert engine.stats()["micro_batches"] == micro_batches
 
 
+@pytest.mark.parametrize(("micro_batches", "late"), [(2, 0), (1, 1)])
+async def test_a_chains_head_does_not_hold_a_group_for_a_session_whose_prompt_it_answered(
+    micro_batches: int, late: int, tiny_model: Path
+) -> None:
+    """At a chain's head the stages below prefill a prompt before its session's next step comes:
+    its group runs without waiting for it. A single node still expects it back."""
+    async with open_engine(config(tiny_model, micro_batches=micro_batches)) as engine:
+        for name in ("a", "b", "c"):  # with 2 micro-batches: a and c in group 0
+            assert isinstance(await engine.request(OpenRequest("c", name, 32)), Opened)
+        for name in ("a", "c"):
+            assert isinstance(await engine.request(StepRequest("c", name, 0, Output.TOKEN, tokens([1, 5]))), StepDone)
+        for pos in range(2, 5):  # "a" is still being prefilled below; "c" decodes
+            assert isinstance(await engine.request(StepRequest("c", "c", pos, Output.TOKEN, tokens([7]))), StepDone)
+        assert engine.stats()["late_sessions_total"] == late
+
+
 def no_kv_slot_for(engine: Engine, fails: Callable[[list[Segment]], bool]) -> list[int]:
     """Make llama_decode answer 1 (no KV slot; nothing written) for the calls `fails` picks.
 
