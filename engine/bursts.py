@@ -20,8 +20,12 @@ are told apart again two bursts later.
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Container, Hashable
+from collections.abc import Collection, Container, Hashable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
+
+from engine.linger import settling
+from engine.scheduler import Session
 
 Key = Hashable  # a session's key in the scheduler
 
@@ -57,8 +61,13 @@ class Bursts:
         bursts = self.last.get(key)
         return None if bursts is None else bursts[0] | bursts[1]
 
-    def since_last(self, now: float) -> float:
-        return now - self.last_at
+    def settle_gap_s(self, sessions: Mapping[Key, Session[Any]], now: float) -> float | None:
+        """How long to wait for the next step of the burst under way; None: compute now. A mate
+        still out is worth any wait (the caller bounds it); with mates unknown, the pause decides."""
+        missing = self.missing({key for key, s in sessions.items() if s.step is not None}, sessions)
+        if missing is None:
+            return self.gap_s if settling(sessions, now - self.last_at, self.gap_s) else None
+        return math.inf if missing else None
 
     def missing(self, with_steps: Collection[Key], alive: Container[Key]) -> bool | None:
         """Whether some session with a step has a mate that is open and not back yet (True), or

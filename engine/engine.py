@@ -39,7 +39,7 @@ from engine.executor import Executor, IterationRecord
 from engine.gguf_facts import ModelFacts, read_facts
 from engine.inbox_wait import take_while
 from engine.kernels import INVARIANT_PAD_ROWS
-from engine.linger import SETTLE_GAP_S, linger_limit_s, lingering, settling
+from engine.linger import SETTLE_GAP_S, linger_limit_s, lingering
 from engine.messages import Cleanup, Closed, CloseRequest, OpenRequest, Result, SessionEnd, StepRequest
 from engine.process_memory import resident_memory
 from engine.replies import Reply
@@ -170,8 +170,8 @@ class Engine:
             return counted(Fault(ErrorCode.SHUTTING_DOWN, "the node has stopped"))
         self._queued[request.owner] += 1
         if isinstance(request, StepRequest):
-            key, now = (request.owner, request.session), trio.current_time()
-            self._bursts.arrived(key, now, self.scheduler.sessions, decode=request.n == 1)
+            key = (request.owner, request.session)
+            self._bursts.arrived(key, trio.current_time(), self.scheduler.sessions, decode=request.n == 1)
         return None
 
     def _taken(self, request: Queued) -> None:
@@ -354,34 +354,18 @@ class Engine:
         micro_batches = self.scheduler.config.micro_batches if self.info.first else 1
         turnaround = self.sessions.turnarounds.typical_ms
         limit = linger_limit_s(self.config.linger_ms, self.scheduler.estimates.step_ms, micro_batches, turnaround)
+        sessions = self.scheduler.sessions
         if self.info.first:
-            await self._take_while(self._lingering, limit, lambda: math.inf)
+            await self._take_while(lambda: math.inf if lingering(sessions, self.sessions.coming_back) else None, limit)
         else:
-            await self._take_while(self._settling, limit, self._settle_gap)
+            await self._take_while(lambda: self._bursts.settle_gap_s(sessions, trio.current_time()), limit)
 
-    async def _take_while(self, waiting: Callable[[], bool], limit_s: float, gap_s: Callable[[], float]) -> None:
-        if limit_s <= 0 or not waiting():
+    async def _take_while(self, gap_s: Callable[[], float | None], limit_s: float) -> None:
+        if limit_s <= 0 or gap_s() is None:
             return
         started = time.perf_counter()
-        await take_while(self._inbox, lambda got: self._take(*got), waiting, limit_s, gap_s)
+        await take_while(self._inbox, lambda got: self._take(*got), gap_s, limit_s)
         self.telemetry.linger_seconds_total += time.perf_counter() - started
-
-    def _settling(self) -> bool:
-        missing = self._mates_missing()
-        if missing is not None:  # the sessions' mates say whether the burst is whole (engine/bursts.py)
-            return missing
-        return settling(self.scheduler.sessions, self._bursts.since_last(trio.current_time()), SETTLE_GAP_S)
-
-    def _settle_gap(self) -> float:
-        """How long the next step of a burst may take: any time (within the limit) for a mate still out."""
-        return math.inf if self._mates_missing() else SETTLE_GAP_S
-
-    def _mates_missing(self) -> bool | None:
-        sessions = self.scheduler.sessions
-        return self._bursts.missing({key for key, s in sessions.items() if s.step is not None}, sessions)
-
-    def _lingering(self) -> bool:
-        return lingering(self.scheduler.sessions, self.sessions.coming_back)
 
     def _forget_late(self, plan: Plan) -> None:
         """The groups about to run stop waiting for their members that are not back: those are late."""

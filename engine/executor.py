@@ -135,12 +135,7 @@ class Executor:
     def _answer(self, step: Step[Work], last: SegmentResult) -> None:
         """A completed step's result, with its session's state after it, to its requester."""
         session = self.scheduler.sessions[step.key]
-        if step.is_decode or self.scheduler.config.micro_batches == 1:
-            # A chain's head does not hold a group for a session whose prompt it just answered:
-            # the stages below prefill that prompt before its next step comes.
-            self.sessions.coming_back.add(step.key)
-        if step.is_decode:  # a decode's turnaround is the group's rhythm; a prompt's is its own
-            self.sessions.answered_at[step.key] = now_ms()
+        self.sessions.answered(step.key, step.is_decode)
         try:
             step.payload.reply.deliver(_done(step.payload, last, session))
         except RequesterGone:  # nobody will read this session again

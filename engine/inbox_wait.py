@@ -13,16 +13,15 @@ T = TypeVar("T")
 async def take_while(
     inbox: trio.MemoryReceiveChannel[T],
     take: Callable[[T], None],
-    waiting: Callable[[], bool],
+    gap_s: Callable[[], float | None],
     limit_s: float,
-    gap_s: Callable[[], float],
 ) -> None:
-    """Take requests while `waiting()`, for at most `limit_s`, and while each next one comes
-    within `gap_s()` (asked again before each)."""
+    """Take requests for at most `limit_s`, while each next one comes within `gap_s()` (asked
+    again before each; None: stop waiting)."""
     with trio.move_on_after(limit_s):
-        while waiting():
+        while (gap := gap_s()) is not None:
             got: list[T] = []
-            with trio.move_on_after(gap_s()):
+            with trio.move_on_after(gap):
                 got.append(await inbox.receive())
             if not got:
                 return

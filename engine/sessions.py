@@ -105,6 +105,16 @@ class Sessions:
 
     # -- steps ---------------------------------------------------------------------
 
+    def answered(self, key: SessionKey, decode: bool) -> None:
+        """A step of the session was answered: its next one is expected (for linger), and a
+        decode's turnaround is timed (the group's rhythm; a prompt's is its own). A chain's
+        head does not hold a group for a session whose prompt it just answered: the stages
+        below prefill that prompt before its next step comes."""
+        if decode or self.scheduler.config.micro_batches == 1:
+            self.coming_back.add(key)
+        if decode:
+            self.answered_at[key] = now_ms()
+
     def step(self, request: StepRequest, reply: Reply) -> None:
         """Check a step's payload (once: the decode does not scan it again) and queue it; the
         scheduler checks its session's state."""
