@@ -539,10 +539,13 @@ class Scheduler(Generic[StepPayload, OpenPayload]):
     # -- planning ----------------------------------------------------------------
 
     def demand(self) -> Demand:
-        """Who the next iteration would serve: ready decode steps (as many as one call carries), and
-        sessions waiting to prefill (a multi-row step: a prompt, or a verification's rows)."""
-        decoding = sum(1 for s in self.sessions.values() if s.step is not None and s.step.is_decode)
-        return Demand(min(decoding, self.config.n_batch), len(self._rr))
+        """Who the next iteration would serve: ready decode steps (as many as one call carries), the
+        most of them in one call (with micro-batches, the largest group's), and sessions waiting
+        to prefill (a multi-row step: a prompt, or a verification's rows)."""
+        groups = Counter(s.group for s in self.sessions.values() if s.step is not None and s.step.is_decode)
+        decoding = min(sum(groups.values()), self.config.n_batch)
+        largest = min(max(groups.values(), default=0), decoding) if self.config.micro_batches > 1 else None
+        return Demand(decoding, len(self._rr), largest)
 
     def plan(self, prefill_budget: int | None = None, halves: Callable[[int], bool] | None = None) -> Plan | None:
         """The next iteration's llama_decode calls, or None when there is nothing to run.

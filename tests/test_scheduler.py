@@ -417,6 +417,7 @@ def test_micro_batches_are_stable_balanced_groups_each_in_a_call_of_its_own() ->
     assert [s.sessions[k].group for k in "abcde"] == [0, 1, 0, 1, 0]  # each admitted to the smallest group
     for key in "edcba":  # arrival order: e's group (0) runs first
         s.submit(key, 0, 1, 4, 0.0, None)
+    assert s.demand() == Demand(decoding=5, prefilling=0, largest_call=3)  # the pace sizes calls of 3 rows
     plan = s.plan()
     assert plan is not None
     assert [[c.key for c in call.chunks] for call in plan.calls] == [["e", "c", "a"], ["d", "b"]]

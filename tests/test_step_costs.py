@@ -1,0 +1,43 @@
+"""A decode step's cost by its rows: the median of recent calls, interpolated between sizes (pure)."""
+
+from __future__ import annotations
+
+import statistics
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from engine.step_costs import DecodeStepCosts
+
+
+def test_a_size_costs_the_median_of_its_recent_calls_so_one_stall_does_not_move_it() -> None:
+    costs = DecodeStepCosts()
+    for ms in (40.0, 41.0, 2000.0, 39.0):
+        costs.observe(4, ms)
+    assert costs.estimate(4) == 40.5
+    assert costs.observe(4, 40.0) == 40.5  # the cost before this call, which then joins it
+
+
+def test_an_unmeasured_size_is_interpolated_or_taken_from_the_nearest() -> None:
+    costs = DecodeStepCosts()
+    assert costs.estimate(4) is None and not costs.measured()
+    costs.observe(2, 20.0)
+    costs.observe(10, 60.0)
+    assert costs.estimate(6) == 40.0
+    assert costs.estimate(1) == 20.0 and costs.estimate(16) == 60.0
+    assert costs.near(1) and costs.near(4) and costs.near(20)  # 2 is within a factor 2 of 1 and 4, 10 of 20
+    assert not costs.near(21) and not DecodeStepCosts().near(1)
+
+
+@given(st.lists(st.tuples(st.integers(1, 64), st.floats(0.1, 1000.0)), min_size=1, max_size=60), st.integers(1, 64))
+def test_an_estimate_lies_within_the_measured_sizes_costs(calls: list[tuple[int, float]], rows: int) -> None:
+    costs = DecodeStepCosts()
+    for size, ms in calls:
+        costs.observe(size, ms)
+    medians = {size: statistics.median(recent) for size, recent in costs.samples.items()}
+    estimate = costs.estimate(rows)
+    assert estimate is not None
+    assert min(medians.values()) - 1e-9 <= estimate <= max(medians.values()) + 1e-9
+    if rows in medians:
+        assert estimate == medians[rows]
+    assert all(len(recent) <= DecodeStepCosts.KEEP for recent in costs.samples.values())
