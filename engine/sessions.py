@@ -109,8 +109,10 @@ class Sessions:
         """A step of the session was answered: its next one is expected (for linger), and a
         decode's turnaround is timed (the group's rhythm; a prompt's is its own). A chain's
         head does not hold a group for a session whose prompt it just answered: the stages
-        below prefill that prompt before its next step comes."""
-        if decode or self.scheduler.config.micro_batches == 1:
+        below prefill that prompt before its next step comes. A stage fed by another expects
+        nobody (its upstream sets the rhythm), so it counts nobody late either."""
+        expects = self.backend.info.first and (decode or self.scheduler.config.micro_batches == 1)
+        if expects:
             self.coming_back.add(key)
         if decode:
             self.answered_at[key] = now_ms()

@@ -64,7 +64,7 @@ class Telemetry:
     decode_rows_sum: int = 0
     kv_reserved_peak: int = 0
     linger_seconds_total: float = 0.0  # waiting for answered sessions' next steps
-    late_sessions_total: int = 0  # answered sessions whose next step missed the next batch
+    late_sessions_total: int = 0  # answered sessions whose next step missed the next batch (first stage)
     cleanups_total: int = 0  # close/rollback/gone-connection requests taken on the cleanup path
     no_kv_slot_total: int = 0  # llama_decode calls that found no KV slot (retried split, or `busy`)
     kv_compactions_total: int = 0  # KV cache compactions that freed held cells (batch-invariant mode)

@@ -611,7 +611,9 @@ async def test_micro_batched_chain_is_bit_identical_to_one_node(tiny_model: Path
                 for name in prompts:
                     nursery.start_soon(run, name)
             calls = list(head.engine.iterations)
+            tail_late = tail.stats()["late_sessions_total"]
     assert sorted(group.values()) == [0, 0, 1, 1]
+    assert tail_late == 0, "a stage fed by another waits for nobody, so nobody is late there"
     assert chained == alone
     for call in calls:
         assert len({group[key[1]] for key, *_ in call.chunks}) == 1, "a call mixed micro-batches"
