@@ -132,10 +132,10 @@ class PrefillPace:
     def prefill_budget(self, share: float, itl_target_ms: float | None = None, demand: Demand | None = None) -> int:
         """Prefill rows for an iteration that also decodes (the scheduler caps them further).
 
-        0 asks for a decode-only iteration, to measure a decode step (when none is measured,
-        the last is stale, or no measured size is within a factor of 2 of the sessions
-        decoding now, unless more wait to prefill); it is never asked twice in a row, so prefill keeps
-        moving.
+        0 asks for a decode-only iteration, to measure a decode step: when none is measured,
+        the last is stale, or no measured size is within a factor of 2 of the rows decoding
+        now (unless more sessions wait to prefill). It is never asked twice in a row, so
+        prefill keeps moving.
         """
         self.budget_rows = self._budget(share, itl_target_ms, demand or Demand())
         return self.budget_rows

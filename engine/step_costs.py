@@ -3,8 +3,8 @@
 Pure (no Trio, no ctypes). A decode step's cost grows with its rows: llama.cpp reads every
 weight once per call, then does each row's attention and output head on top (gemma-3-270m on
 2 AVX2 cores: 16 ms for 1 row, 57 for 5, 70 for 10). A prefill budget sized from a step of
-another size is wrong: sized from the 1-row step of a first session while ten decode, every
-gap looked 4x over its target and prefill crawled at its smallest chunk. So each size keeps
+another size is wrong: sized from the 1-row step of a first session while ten decode, the
+target was 4x too small and every gap looked far over it. So each size keeps
 its own recent calls; the median of the last few resists a stall of the machine. A size not
 measured yet is interpolated between the nearest measured ones, or taken as the nearest.
 """
