@@ -542,10 +542,11 @@ class Scheduler(Generic[StepPayload, OpenPayload]):
         """Who the next iteration would serve: ready decode steps (as many as one call carries), the
         most of them in one call (with micro-batches, the largest group's), and sessions waiting
         to prefill (a multi-row step: a prompt, or a verification's rows)."""
-        groups = Counter(s.group for s in self.sessions.values() if s.step is not None and s.step.is_decode)
-        decoding = min(sum(groups.values()), self.config.n_batch)
-        largest = min(max(groups.values(), default=0), decoding) if self.config.micro_batches > 1 else None
-        return Demand(decoding, len(self._rr), largest)
+        ready = [s.group for s in self.sessions.values() if s.step is not None and s.step.is_decode]
+        decoding = min(len(ready), self.config.n_batch)
+        if self.config.micro_batches == 1:
+            return Demand(decoding, len(self._rr))
+        return Demand(decoding, len(self._rr), min(max(Counter(ready).values(), default=0), decoding))
 
     def plan(self, prefill_budget: int | None = None, halves: Callable[[int], bool] | None = None) -> Plan | None:
         """The next iteration's llama_decode calls, or None when there is nothing to run.

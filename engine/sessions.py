@@ -110,11 +110,12 @@ class Sessions:
         decode's turnaround is timed (the group's rhythm; a prompt's is its own). A chain's
         head does not hold a group for a session whose prompt it just answered: the stages
         below prefill that prompt before its next step comes. A stage fed by another expects
-        nobody (its upstream sets the rhythm), so it counts nobody late either."""
-        expects = self.backend.info.first and (decode or self.scheduler.config.micro_batches == 1)
-        if expects:
+        nobody (its upstream sets the rhythm), so it counts nobody late either. Only a chain's
+        head lingers by the turnaround, so only it times one."""
+        first, groups = self.backend.info.first, self.scheduler.config.micro_batches
+        if first and (decode or groups == 1):
             self.coming_back.add(key)
-        if decode:
+        if first and decode and groups > 1:
             self.answered_at[key] = now_ms()
 
     def step(self, request: StepRequest, reply: Reply) -> None:

@@ -26,9 +26,8 @@ class DecodeStepCosts:
 
     def observe(self, rows: int, ms: float) -> float | None:
         """Record a decode-only iteration; returns its size's cost before it (None: first)."""
-        recent = self.samples.setdefault(rows, deque(maxlen=self.KEEP))
-        before = statistics.median(recent) if recent else None
-        recent.append(ms)
+        before = self._cost(rows) if rows in self.samples else None
+        self.samples.setdefault(rows, deque(maxlen=self.KEEP)).append(ms)
         return before
 
     def measured(self) -> bool:
@@ -45,12 +44,13 @@ class DecodeStepCosts:
         if not self.samples:
             return None
         if rows in self.samples:
-            return statistics.median(self.samples[rows])
+            return self._cost(rows)
         below = max((size for size in self.samples if size < rows), default=None)
         above = min((size for size in self.samples if size > rows), default=None)
         if below is None or above is None:
-            nearest = below if above is None else above
-            assert nearest is not None
-            return statistics.median(self.samples[nearest])
-        low, high = statistics.median(self.samples[below]), statistics.median(self.samples[above])
+            return self._cost(below if above is None else above)  # type: ignore[arg-type]  # one is set
+        low, high = self._cost(below), self._cost(above)
         return low + (high - low) * (rows - below) / (above - below)
+
+    def _cost(self, size: int) -> float:
+        return statistics.median(self.samples[size])
