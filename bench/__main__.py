@@ -4,9 +4,11 @@ Each suite runs in a process of its own (its nodes and peers are stopped with it
 after another, and the time each took is printed. `all` is what `just bench` runs: the
 report on gemma-3-270m and on the Llama-3.2-1B shape, each with the prompt-heavy and the
 decode-heavy workload (each report also measures llama-batched-bench's ceiling), then
-kernels, CURVE, stage costs, multi-host for both models, the gateway, speculation, and
-the pipeline figures (folded into the reports). Chaos measures robustness, not speed: it
-is `just chaos`. With `--quick`, `all` is the quick report on the tiny test model.
+kernels, CURVE, stage costs and memory (both models), multi-host for both models,
+placement on unequal stages (the 1B shape), the gateway, speculation, and the pipeline
+figures (folded into the reports with the stages, placement, gateway and speculation).
+Chaos measures robustness, not speed: it is `just chaos`. With `--quick`, `all` is the
+quick report on the tiny test model.
 
 `--model` takes a GGUF file, `gemma-3-270m` or a model shape (`llama-3.2-1b`, `llama-3.1-8b`;
 written once into ~/.cache/neuron-tai/shapes): every suite then measures that model, shards
@@ -82,7 +84,8 @@ SUITES = {
 # Within 45 minutes on 2 cores: the reports beside the default cut repetitions, then systems (bench.report
 # plan_for); the sweeps run one repetition; multi-host measures scale-out at c = 1, 8 and 16 (where its
 # targets are), a client serving 2 prompt-heavy requests (all 16 from c = 8 on) or 1 decode-heavy one, the
-# latency tolerance at 0 and 5 ms on gemma-3-270m only; the gateway serves 4 requests per client.
+# latency tolerance at 0 and 5 ms on gemma-3-270m only; placement runs two repetitions on the 1B shape;
+# the gateway serves 4 requests per client.
 FULL_SET: list[tuple[str, str | None]] = [
     ("report", None),
     ("report-decode", None),
@@ -93,6 +96,8 @@ FULL_SET: list[tuple[str, str | None]] = [
     ("stages", None),
     ("multihost", None),
     ("multihost", SHAPE),
+    ("stages", SHAPE),
+    ("placement", SHAPE),
     ("gateway", None),
     ("speculation", None),
     ("pipeline", None),
@@ -103,6 +108,7 @@ FULL_SET: list[tuple[str, str | None]] = [
 FULL_EXTRA: dict[tuple[str, str | None], tuple[str, ...]] = {
     ("multihost", None): ("--per-client", "2", "--delays", "0,5", "--concurrency", "1,8,16"),
     ("multihost", SHAPE): ("--per-client", "2", "--delays", "none", "--concurrency", "1,8,16"),
+    ("placement", SHAPE): ("--reps", "2"),
 }
 QUICK_SET: list[tuple[str, str | None]] = [("report", None)]
 
@@ -143,6 +149,10 @@ def command(name: str, model: str | None, quick: bool, out: Path | None) -> list
                 str(files / f"gateway{tag}.json"),
                 "--speculation",
                 str(files / f"speculation{tag}.json"),
+                "--stages",
+                str(files / f"stage_cost{tag}.json"),
+                "--placement",
+                str(files / f"placement{tag}.json"),
             ]
         )
     return cmd

@@ -2,12 +2,14 @@
 
 `just bench` runs the report first, then the parts with their own processes: the OpenAI
 gateway against llama-server's OpenAI endpoint (bench.gateway_bench), speculative generation
-(bench.speculation) and the pipeline figures (bench.pipeline_evidence: `generate` against
-llama-server, scale-out across namespaces, latency tolerance). This copies their JSON into
-the report's `bench.json` under `gateway`, `speculation` and `pipeline` and redraws its
-README. A part that is missing is left out.
+(bench.speculation), the pipeline figures (bench.pipeline_evidence: `generate` against
+llama-server, scale-out across namespaces, latency tolerance), what each stage of a split
+holds in memory (bench.stage_cost) and the plan's split on unequal stages (bench.placement).
+This copies their JSON into the report's `bench.json` under `gateway`, `speculation`,
+`pipeline`, `stages` and `placement` and redraws its README. A part that is missing is left out.
 
     python -m bench.attach [--report-dir DIR] [--gateway FILE] [--pipeline FILE] [--speculation FILE]
+                           [--stages FILE] [--placement FILE]
 """
 
 from __future__ import annotations
@@ -40,10 +42,13 @@ def main() -> int:
     parser.add_argument("--gateway", type=Path, default=EVIDENCE / "gateway.json")
     parser.add_argument("--pipeline", type=Path, default=EVIDENCE / "pipeline.json")
     parser.add_argument("--speculation", type=Path, default=EVIDENCE / "speculation.json")
+    parser.add_argument("--stages", type=Path, default=EVIDENCE / "stage_cost.json")
+    parser.add_argument("--placement", type=Path, default=EVIDENCE / "placement.json")
     args = parser.parse_args()
     path = args.report_dir / "bench.json"
     report = json.loads(path.read_text())
-    done = attach(report, {"gateway": args.gateway, "pipeline": args.pipeline, "speculation": args.speculation})
+    parts = {"gateway": args.gateway, "pipeline": args.pipeline, "speculation": args.speculation}
+    done = attach(report, {**parts, "stages": args.stages, "placement": args.placement})
     path.write_text(json.dumps(report, indent=1) + "\n")
     (args.report_dir / "README.md").write_text(report_markdown.render(report))
     print(f"attached {', '.join(done) or 'nothing'} to {shown(args.report_dir)}/bench.json and README.md")

@@ -4,20 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from bench import report_distribution
 from bench.aggregate import SATURATION_SHARE, mean_by, saturation
+from bench.report_table import fmt as _f
+from bench.report_table import table as _table
 from bench.systems import ALL, BARE, CHAIN, NODE, NODE_FAST, PYTHON, SERVER, SLOTS
-
-
-def _f(v: Any, digits: int = 1) -> str:
-    if v is None:
-        return "–"
-    return f"{v:.{digits}f}" if isinstance(v, float) else str(v)
-
-
-def _table(header: list[str], rows: list[list[Any]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(_f(x) if not isinstance(x, str) else x for x in row) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 def render(r: dict[str, Any]) -> str:
@@ -36,6 +27,8 @@ def render(r: dict[str, Any]) -> str:
         *((_corruption(r), _default_mode(r), _admission(r)) if plan.get("proofs", True) else (NO_PROOFS,)),
         _telemetry(r),
         _pipeline(r),
+        report_distribution.stage_memory(r),
+        report_distribution.placement(r),
         _gateway(r),
         _speculation(r),
         _compatibility(r),

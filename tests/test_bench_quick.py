@@ -85,25 +85,37 @@ def test_quick_bench_reports_every_system_and_proves_sessions_never_mix(tmp_path
         str(evidence / "gateway.json"),
         "--pipeline",
         str(evidence / "pipeline.json"),
+        "--stages",
+        str(evidence / "stage_cost.json"),
+        "--placement",
+        str(evidence / "placement-llama-3.2-1b.json"),
     ]
     subprocess.run(attach, cwd=ROOT, check=True, capture_output=True, timeout=120)
     attached = json.loads((out / "bench.json").read_text())
-    assert attached["runs"] == report["runs"] and {"gateway", "pipeline"} <= attached.keys()
+    assert attached["runs"] == report["runs"] and {"gateway", "pipeline", "stages", "placement"} <= attached.keys()
     readme = (out / "README.md").read_text()
     gateway = json.loads((evidence / "gateway.json").read_text())["results"]
     assert "## OpenAI gateway against llama-server's OpenAI endpoint" in readme
     assert all(f"| {system} | {row['concurrency']} |" in readme for system, rows in gateway.items() for row in rows)
     assert "## Pipeline: server-side generation, scale-out, latency tolerance" in readme
+    for split in attached["stages"]["splits"]:  # each stage's memory against its target, said either way
+        for layers, m in split["memory_mib"].items():
+            within = "yes" if m["rss"] <= m["target"] else f"no, +{m['rss'] - m['target']:.1f}"
+            assert f"| {split['split']} | {layers} |" in readme and f"| {m['target']} | {within} |" in readme
+    plan = next(x for x in attached["placement"]["splits"] if x["split"] == "plan")
+    assert f"| plan | {', '.join(f'{a}:{b}' for a, b in plan['bounds'])} | {plan['tok_s']:.2f} |" in readme
     missing = out / "absent.json"
+    absent = ("--gateway", "--pipeline", "--stages", "--placement")
     subprocess.run(
-        [*attach[:-4], "--gateway", str(missing), "--pipeline", str(missing)],
+        [*attach[:-8], *(x for flag in absent for x in (flag, str(missing)))],
         cwd=ROOT,
         check=True,
         capture_output=True,
         timeout=120,
     )
     assert "## OpenAI gateway" not in (out / "README.md").read_text()
-    assert "gateway" not in json.loads((out / "bench.json").read_text())
+    assert "## Stages" not in (out / "README.md").read_text()
+    assert not {"gateway", "stages", "placement"} & json.loads((out / "bench.json").read_text()).keys()
 
 
 def test_bench_reports_a_crashed_node_and_still_writes_the_rest(tmp_path: Path) -> None:
