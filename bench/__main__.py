@@ -111,6 +111,14 @@ FULL_EXTRA: dict[tuple[str, str | None], tuple[str, ...]] = {
     ("placement", SHAPE): ("--reps", "2"),
 }
 QUICK_SET: list[tuple[str, str | None]] = [("report", None)]
+# What `attach` folds into a model's report: its option and the evidence file's stem (the model's tag follows).
+ATTACHED = (
+    ("pipeline", "pipeline"),
+    ("gateway", "gateway"),
+    ("speculation", "speculation"),
+    ("stages", "stage_cost"),
+    ("placement", "placement"),
+)
 
 
 def model_tag(model: str) -> str:
@@ -140,20 +148,8 @@ def command(name: str, model: str | None, quick: bool, out: Path | None) -> list
         cmd += (
             ["--report", str(report / "bench.json"), "--multihost", str(files / f"multihost{tag}.json")]
             if name == "pipeline"
-            else [
-                "--report-dir",
-                str(report),
-                "--pipeline",
-                str(files / f"pipeline{tag}.json"),
-                "--gateway",
-                str(files / f"gateway{tag}.json"),
-                "--speculation",
-                str(files / f"speculation{tag}.json"),
-                "--stages",
-                str(files / f"stage_cost{tag}.json"),
-                "--placement",
-                str(files / f"placement{tag}.json"),
-            ]
+            else ["--report-dir", str(report)]
+            + [x for flag, stem in ATTACHED for x in (f"--{flag}", str(files / f"{stem}{tag}.json"))]
         )
     return cmd
 

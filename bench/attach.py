@@ -47,8 +47,8 @@ def main() -> int:
     args = parser.parse_args()
     path = args.report_dir / "bench.json"
     report = json.loads(path.read_text())
-    parts = {"gateway": args.gateway, "pipeline": args.pipeline, "speculation": args.speculation}
-    done = attach(report, {**parts, "stages": args.stages, "placement": args.placement})
+    parts = ("gateway", "pipeline", "speculation", "stages", "placement")
+    done = attach(report, {name: getattr(args, name) for name in parts})
     path.write_text(json.dumps(report, indent=1) + "\n")
     (args.report_dir / "README.md").write_text(report_markdown.render(report))
     print(f"attached {', '.join(done) or 'nothing'} to {shown(args.report_dir)}/bench.json and README.md")

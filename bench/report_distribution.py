@@ -22,6 +22,8 @@ _MEMORY_HEADER = [
     "within",
 ]
 
+_PLACEMENT_KEYS = (("tok_s", 2), ("vs_even", 3), ("predicted_tok_s", 2), ("predicted_bound", 3))
+
 
 def stage_memory(r: dict[str, Any]) -> str:
     """Each split's stages: decode step cost, the efficiency bound it sets, and resident memory
@@ -69,11 +71,7 @@ def placement(r: dict[str, Any]) -> str:
     p = r.get("placement")
     if p is None:
         return ""
-    keys = ("tok_s", "vs_even", "predicted_tok_s", "predicted_bound")
-    rows = [
-        [x["split"], _ranges(x["bounds"]), *(fmt(x[k], 3 if "bound" in k or "vs" in k else 2) for k in keys)]
-        for x in p["splits"]
-    ]
+    rows = [[x["split"], _ranges(x["bounds"]), *(fmt(x[k], d) for k, d in _PLACEMENT_KEYS)] for x in p["splits"]]
     w = p["workload"]
     return "\n".join(
         [

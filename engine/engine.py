@@ -352,7 +352,7 @@ class Engine:
         await trio.lowlevel.checkpoint()  # in-process requesters answer within one checkpoint
         self._drain_inbox()
         micro_batches = self.scheduler.config.micro_batches if self.info.first else 1
-        turnaround = self.sessions.turnarounds.typical_ms if micro_batches > 1 else 0.0  # only a head's limit uses it
+        turnaround = self.sessions.turnarounds.typical_ms  # 0 but on a micro-batched head (the only one timing them)
         limit = linger_limit_s(self.config.linger_ms, self.scheduler.estimates.step_ms, micro_batches, turnaround)
         sessions = self.scheduler.sessions
         if self.info.first:
