@@ -29,6 +29,7 @@ T = TypeVar("T")
 ROOT = Path(__file__).resolve().parent.parent
 EVIDENCE = ROOT / "evidence"
 WORK = ROOT / ".bench"
+SHARDS = WORK / "shards"  # every suite's shards, one copy of each split (neuron_tai/shard_cache.py)
 
 PROMPT_TEXTS = [
     "The quick brown fox jumps over the lazy dog. Once upon a time",

@@ -21,13 +21,14 @@ from pathlib import Path
 
 import trio
 
-from bench.common import EVIDENCE, PROMPT_TEXTS, WORK, bench_model, paired_ratio, shown, table, write_evidence
+from bench.common import EVIDENCE, PROMPT_TEXTS, SHARDS, WORK, bench_model, paired_ratio, shown, table, write_evidence
 from bench.node_driver import closed_loop
 from bench.processes import SWEEP_SERVE, Processes, free_ports, node_ready, open_processes, serve_command
 from bench.workload import Request
 from neuron_tai.client import open_client
 from neuron_tai.security import create_key_pair
-from neuron_tai.shard import read_model_layers, stage_bounds, write_stages
+from neuron_tai.shard import read_model_layers, stage_bounds
+from neuron_tai.shard_cache import cached_stages
 
 CONCURRENCY = 8
 COLUMNS = ["system", "plain_tok_s", "curve_tok_s", "ratio"]
@@ -109,7 +110,7 @@ def main() -> int:
         out = args.out or work / "curve-quick.json"
     else:
         out = args.out or EVIDENCE / "curve.json"
-    shards = write_stages(model, work / "shards", split)
+    shards = cached_stages(model, split, SHARDS)
     keys = Keys(work / "keys")
 
     with open_processes(work / "logs") as procs:

@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 import trio
 
-from bench.common import WORK, bench_model, command_line, shown
+from bench.common import SHARDS, WORK, bench_model, command_line, shown
 from bench.latency import percentile_ms
 from bench.llama_server import cached_binary, ensure_llama_server
 from bench.node_driver import generate, run_closed_loop
@@ -39,7 +39,8 @@ from bench.server_peer import healthy, server_command
 from bench.workload import CORPUS, Request, first_per_client, make_requests
 from engine.llama_handles import weight_placement
 from neuron_tai.client import open_client
-from neuron_tai.shard import weight_balanced_bounds, write_stages
+from neuron_tai.shard import weight_balanced_bounds
+from neuron_tai.shard_cache import cached_stages
 
 SLOTS = 8  # node sessions and llama-server slots
 DIRECT = "single node, protocol direct"
@@ -158,7 +159,7 @@ def model_for(quick: bool) -> Path:
 
 def start(procs: Processes, model: Path, plan: Plan, quick: bool) -> tuple[dict[str, str], str]:
     """Nodes, a gateway in front of each, and llama-server: ({system name: completions URL}, the single node)."""
-    shards = write_stages(model, WORK / "shards-gateway" / model.stem, weight_balanced_bounds(model, 2))
+    shards = cached_stages(model, weight_balanced_bounds(model, 2), SHARDS)
     p = free_ports(6)
     limits = [
         "--max-sessions",

@@ -40,14 +40,14 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from bench.common import MODEL_ENV, WORK, bench_model, command_line, shown, table
+from bench.common import MODEL_ENV, SHARDS, WORK, bench_model, command_line, shown, table
 from bench.interrupts import run_main
 from bench.netns import Topology, open_topology
 from bench.placement import planned_bounds
 from bench.processes import Processes, node_ready, open_processes, serve_command
 from bench.workload import WORKLOADS
 from neuron_tai.placement import Workload as PlanWorkload
-from neuron_tai.shard import write_stages
+from neuron_tai.shard_cache import cached_stages
 
 HOSTS = ("client", "s0", "s1")
 LINKS = (("client", "s0"), ("s0", "s1"))
@@ -412,7 +412,7 @@ def start_chains(cluster: Cluster, model: Path, work: Path) -> dict[str, Chain]:
         bounds = tuple(chain_bounds(model, cluster.plan, workload))
         if bounds not in chains:
             suffix = f"-{bounds[0][1]}" if chains else ""
-            head_model, tail_model = write_stages(model, work / "shards", bounds)
+            head_model, tail_model = cached_stages(model, bounds, SHARDS)
             tail = cluster.node(f"tail{suffix}", "s1", "s0", tail_model, TAIL_CORE, [])
             head = cluster.node(f"head{suffix}", "s0", "client", head_model, HEAD_CORE, head_flags(cluster.plan, tail))
             chains[bounds] = Chain(bounds, (head_model, tail_model), head, tail)

@@ -28,7 +28,7 @@ from typing import Any
 
 import trio
 
-from bench.common import EVIDENCE, WORK, bench_model, interleaved, shown, write_evidence
+from bench.common import EVIDENCE, SHARDS, WORK, bench_model, interleaved, shown, write_evidence
 from bench.latency import summarize
 from bench.node_driver import closed_loop
 from bench.processes import Processes, free_ports, node_ready, open_processes, serve_command
@@ -37,7 +37,8 @@ from neuron_tai.cli_plan import planned_split
 from neuron_tai.client import open_client
 from neuron_tai.layer_costs import Measure, cached_costs
 from neuron_tai.placement import Host, Plan, Workload, evaluate, plan
-from neuron_tai.shard import read_model_layers, stage_bounds, weight_balanced_bounds, write_stages
+from neuron_tai.shard import read_model_layers, stage_bounds, weight_balanced_bounds
+from neuron_tai.shard_cache import cached_stages
 
 HEAD_CORE, TAIL_CORE = 0, 1
 TAIL_SHARE = 0.5  # the tail's CPU quota, in cores
@@ -146,7 +147,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     bounds, predicted = splits(model, work, hosts, args.concurrency)
     for name, b in bounds.items():
         print(f"{name:8} {b}  predicted bound {predicted[name].efficiency_bound:.3f}", flush=True)
-    shards = {name: write_stages(model, WORK / "placement" / name, b) for name, b in bounds.items()}
+    shards = {name: cached_stages(model, b, SHARDS) for name, b in bounds.items()}
     # The load client runs beside the tail, outside its cgroup (the half core the tail may not
     # use): on another machine, as it would be, rather than on the head's core.
     os.sched_setaffinity(0, {TAIL_CORE})

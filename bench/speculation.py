@@ -31,10 +31,11 @@ from typing import Any
 
 import trio
 
-from bench.common import EVIDENCE, PROMPT_TEXTS, ROOT, WORK, gemma_path, shown, table, write_evidence
+from bench.common import EVIDENCE, PROMPT_TEXTS, ROOT, SHARDS, WORK, gemma_path, shown, table, write_evidence
 from bench.processes import SWEEP_SERVE, free_ports, node_ready, open_processes, serve_command
 from neuron_tai.client import Client, Done, Generated, open_client
-from neuron_tai.shard import read_model_layers, stage_bounds, write_stages
+from neuron_tai.shard import read_model_layers, stage_bounds
+from neuron_tai.shard_cache import cached_stages
 from protocol.sampling import Sampling
 
 COLUMNS = [
@@ -189,7 +190,7 @@ def main() -> int:
     args.copy_chars = args.copy_chars or chars
     model = args.model or gemma_path()
     halves = stage_bounds(read_model_layers(model).block_count, stages=2)
-    shards = write_stages(model, WORK / "shards" / "chain2", halves)
+    shards = cached_stages(model, halves, SHARDS)
     rows: list[dict[str, Any]] = []
     with open_processes(WORK / "logs") as procs:
         addresses = start_setups(procs, model, shards, invariant=False, speculate_flag="0")

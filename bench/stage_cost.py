@@ -27,13 +27,14 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import WORK, bench_model, interleaved, shown, write_evidence
+from bench.common import SHARDS, WORK, bench_model, interleaved, shown, write_evidence
 from engine.backend import ContextConfig, Segment, StageBackend
 from engine.gguf_facts import read_facts
 from engine.llama_handles import logged_buffers
 from engine.messages import Output
 from engine.process_memory import resident_memory
-from neuron_tai.shard import stage_bounds, weight_balanced_bounds, write_stages
+from neuron_tai.shard import stage_bounds, weight_balanced_bounds
+from neuron_tai.shard_cache import cached_stages
 
 ROWS = (1, 8)
 CONTEXT = ContextConfig(n_seq_max=8, n_ctx=4096, n_batch=512, n_ubatch=512, n_threads=1)
@@ -143,7 +144,7 @@ def main() -> int:
     splits = {"layers": stage_bounds(n, stages=args.stages), "weights": weight_balanced_bounds(model, args.stages)}
     files: dict[str, Path] = {"whole": model}
     for name, bounds in splits.items():
-        for (a, b), path in zip(bounds, write_stages(model, WORK / "stage-cost" / name, bounds), strict=True):
+        for (a, b), path in zip(bounds, cached_stages(model, bounds, SHARDS), strict=True):
             files[f"{name} {a}:{b}"] = path
     if args.memory_only:
         memory_table(files)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import signal
 import tomllib
 from collections.abc import Mapping
@@ -18,13 +17,13 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from engine.gguf_facts import ModelFacts
 from neuron_tai.cli_errors import UsageError, bind_failure, check_endpoint_free, check_port_free
 from neuron_tai.cli_options import Option, build, from_file, options_of
 from neuron_tai.command_options import CurveOptions, GatewayOptions, ServeOptions
 from neuron_tai.config import NodeConfig
 from neuron_tai.security import ServerCurve
-from neuron_tai.shard import check_layer_range, read_model_layers, write_shard
+from neuron_tai.shard import read_model_layers
+from neuron_tai.shard_cache import cached_shard
 
 if TYPE_CHECKING:
     from neuron_tai.gateway import GatewayConfig
@@ -57,29 +56,12 @@ def with_config_file(options: list[Option], typed: Mapping[str, Any]) -> dict[st
     return {**from_file([o for o in options if o.name != "config"], table, str(path)), **typed}
 
 
-def shard_cache_path(model: Path, a: int, b: int) -> Path:
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "neuron-tai" / "shards"
-    return cache / f"{model.stem}.layers-{a}-{b}.gguf"
-
-
 def stage_model(model: Path, layers: tuple[int, int] | None) -> Path:
     """The model file a node serves: the model itself, or a cached shard of --layers (range checked first)."""
-    facts = read_model_layers(model)  # a clear error for a missing or broken file, before anything loads
-    if layers is None:
-        return model
-    check_layer_range(facts.block_count, *layers)
-    out = shard_cache_path(model, *layers)
-    if not out.exists() or out.stat().st_mtime < model.stat().st_mtime or _before_capture_blocks(out, facts):
-        out.parent.mkdir(parents=True, exist_ok=True)
-        log.info("writing shard %s", out)
-        write_shard(model, layers[0], layers[1], out)
-    return out
-
-
-def _before_capture_blocks(shard: Path, model: ModelFacts) -> bool:
-    """A cached shard written before shards carried their capture block (neuron_tai/shard.py)."""
-    facts = read_model_layers(shard)
-    return facts.end < model.end and facts.capture_blocks == 0
+    if layers is not None:
+        return cached_shard(model, *layers)  # reads the model's layers first: a clear error for a broken file
+    read_model_layers(model)  # a clear error for a missing or broken file, before anything loads
+    return model
 
 
 def server_curve(curve: CurveOptions, has_next: bool) -> ServerCurve | None:

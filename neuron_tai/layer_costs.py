@@ -31,6 +31,7 @@ from engine.backend import ContextConfig, Segment, StageBackend
 from engine.messages import Output
 from neuron_tai.placement import ModelCosts, RowCosts
 from neuron_tai.shard import ShardError, layer_weights, open_header, read_model_layers
+from neuron_tai.shard_cache import cached_shard
 
 __all__ = [
     "Measure",
@@ -140,17 +141,15 @@ def _time_file(path: Path, how: Measure) -> _Timing:
 
 def measure_costs(model: Path, how: Measure = Measure()) -> ModelCosts:
     """Measure `model`'s costs on this machine (a whole model of at least three layers)."""
-    from neuron_tai.cli_serve import stage_model  # noqa: PLC0415 - the shard cache `serve` uses
-
     header = open_header(model)
     facts = read_model_layers(model, header)
     n = facts.block_count
     if not (facts.first and facts.last) or n < 3:
         raise ShardError(f"{model}: measuring costs needs a whole model of at least 3 layers")
     files = {
-        "first": stage_model(model, (0, 1)),
-        "middle": stage_model(model, (1, 2)),
-        "last": stage_model(model, (n - 1, n)),
+        "first": cached_shard(model, 0, 1),
+        "middle": cached_shard(model, 1, 2),
+        "last": cached_shard(model, n - 1, n),
         "whole": model,
     }
     timed = {name: _time_file(path, how) for name, path in files.items()}

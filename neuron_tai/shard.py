@@ -103,7 +103,7 @@ def write_shard(src: Path, start: int, end: int, out: Path, header: Header | Non
     capture = 1 if end < layers.file_blocks else 0  # a shard that does not end the model: block `end` too
     entries = _shard_entries(header, arch, layers, start, end, capture)
     kept = _shard_tensors(header, start, end + capture)
-    tmp = out.with_name(out.name + ".part")
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.part")  # a writer of its own: two may race for one shard
     try:
         with src.open("rb") as fin, tmp.open("wb") as fout:
             _write(fout, fin, header, entries, kept)
@@ -285,4 +285,9 @@ def write_stages(
     """One shard per layer range, named `{stem}.layers-A-B.gguf` in `out_dir`."""
     out_dir.mkdir(parents=True, exist_ok=True)
     header = header or open_header(src)
-    return [write_shard(src, a, b, out_dir / f"{src.stem}.layers-{a}-{b}.gguf", header) for a, b in bounds]
+    return [write_shard(src, a, b, out_dir / shard_name(src, a, b), header) for a, b in bounds]
+
+
+def shard_name(src: Path, start: int, end: int) -> str:
+    """The file name of layers [start, end) of `src`: `{stem}.layers-A-B.gguf`."""
+    return f"{src.stem}.layers-{start}-{end}.gguf"

@@ -1,0 +1,59 @@
+"""Shards kept between runs: a layer range is written once and reused while it is current.
+
+`serve --layers`, `plan`'s cost probes and the bench's suites all ask for the same few
+ranges of the same models; writing each anew costs a model's size on disk every time (a
+1B model's splits, once per suite, filled gigabytes). Each source file has a folder of its
+own, named after its stem and its resolved path: two models of one name in different
+places never share a shard. A kept shard is current while it is no older than its source
+and carries its capture block (shards written before shards had one are rewritten).
+Writing is atomic (`write_shard`), so a run stopped mid-write leaves no half shard behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from engine.gguf_facts import ModelFacts
+from neuron_tai.shard import check_layer_range, read_model_layers, shard_name, write_shard
+
+log = logging.getLogger("neuron_tai")
+
+
+def user_shard_dir() -> Path:
+    """Where `serve --layers` keeps its shards: `$XDG_CACHE_HOME/neuron-tai/shards` (~/.cache)."""
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "neuron-tai" / "shards"
+
+
+def cached_shard(model: Path, start: int, end: int, cache_dir: Path | None = None) -> Path:
+    """Layers [start, end) of `model` as a shard in `cache_dir` (the user's by default),
+    written only when there is no current one."""
+    facts = read_model_layers(model)
+    check_layer_range(facts.block_count, start, end)
+    out = (cache_dir or user_shard_dir()) / source_folder(model) / shard_name(model, start, end)
+    if not _current(out, model, facts):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        log.info("writing shard %s", out)
+        write_shard(model, start, end, out)
+    return out
+
+
+def cached_stages(model: Path, bounds: Sequence[tuple[int, int]], cache_dir: Path) -> list[Path]:
+    """`cached_shard` for each layer range, in order."""
+    return [cached_shard(model, a, b, cache_dir) for a, b in bounds]
+
+
+def source_folder(model: Path) -> str:
+    """`{stem}-{8 hex digits of the resolved path}`: the folder of one source file's shards."""
+    digest = hashlib.sha256(str(model.resolve()).encode()).hexdigest()[:8]
+    return f"{model.stem}-{digest}"
+
+
+def _current(shard: Path, model: Path, facts: ModelFacts) -> bool:
+    if not shard.exists() or shard.stat().st_mtime < model.stat().st_mtime:
+        return False
+    written = read_model_layers(shard)
+    return not (written.end < facts.end and written.capture_blocks == 0)  # before capture blocks

@@ -1,0 +1,48 @@
+"""Kept shards: written once per source and range, rewritten when the source changes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from neuron_tai.shard import ShardError, read_model_layers
+from neuron_tai.shard_cache import cached_shard, cached_stages, user_shard_dir
+from testkit.models import TinySpec, write_tiny_model
+
+
+def test_a_current_shard_is_kept_and_a_newer_source_rewrites_it(tiny_model: Path, tmp_path: Path) -> None:
+    source = tmp_path / "m" / "tiny.gguf"
+    source.parent.mkdir()
+    shutil.copy(tiny_model, source)
+    first, second = cached_stages(source, [(0, 2), (2, 4)], tmp_path / "cache")
+    assert [read_model_layers(p).end for p in (first, second)] == [2, 4] and first.parent == second.parent
+    kept = first.stat().st_ino  # a rewrite replaces the file (a new inode)
+    assert cached_shard(source, 0, 2, tmp_path / "cache") == first and first.stat().st_ino == kept
+    os.utime(source, ns=(1, first.stat().st_mtime_ns + 10**9))  # the source changed after the shard
+    assert cached_shard(source, 0, 2, tmp_path / "cache") == first and first.stat().st_ino != kept
+    assert not list(first.parent.glob("*.part"))
+
+
+def test_two_sources_of_one_name_never_share_a_shard(tiny_model: Path, tmp_path: Path) -> None:
+    a, b = tmp_path / "a" / "tiny.gguf", tmp_path / "b" / "tiny.gguf"
+    a.parent.mkdir()
+    b.parent.mkdir()
+    shutil.copy(tiny_model, a)
+    write_tiny_model(b, TinySpec(n_layer=6, seed=5))
+    shard_a, shard_b = (cached_shard(m, 2, 4, tmp_path / "cache") for m in (a, b))
+    assert shard_a != shard_b and shard_a.name == shard_b.name
+    assert read_model_layers(shard_a).source_blocks == 4 and read_model_layers(shard_b).source_blocks == 6
+
+
+def test_a_bad_range_writes_nothing(tiny_model: Path, tmp_path: Path) -> None:
+    with pytest.raises(ShardError, match="not within the model's 4 layers"):
+        cached_shard(tiny_model, 3, 9, tmp_path / "cache")
+    assert not (tmp_path / "cache").exists()
+
+
+def test_the_users_cache_follows_xdg(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert user_shard_dir() == tmp_path / "neuron-tai" / "shards"
