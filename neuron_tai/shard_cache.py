@@ -4,9 +4,10 @@
 ranges of the same models; writing each anew costs a model's size on disk every time (a
 1B model's splits, once per suite, filled gigabytes). Each source file has a folder of its
 own, named after its stem and its resolved path: two models of one name in different
-places never share a shard. A kept shard is current while it is no older than its source
-and carries its capture block (shards written before shards had one are rewritten).
-Writing is atomic (`write_shard`), so a run stopped mid-write leaves no half shard behind.
+places never share a shard. A kept shard is current while it is no older than its source,
+reads as a GGUF file and carries its capture block (shards written before shards had one
+are rewritten). Writing is atomic (`write_shard`), so a run stopped mid-write leaves no
+half shard behind.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from engine.gguf_facts import ModelFacts
-from neuron_tai.shard import check_layer_range, read_model_layers, shard_name, write_shard
+from neuron_tai.shard import ShardError, check_layer_range, read_model_layers, shard_name, write_shard
 
 log = logging.getLogger("neuron_tai")
 
@@ -53,7 +54,12 @@ def source_folder(model: Path) -> str:
 
 
 def _current(shard: Path, model: Path, facts: ModelFacts) -> bool:
+    """A kept shard to serve as it is; one that is stale, from before capture blocks or no
+    longer a readable GGUF (changed by hand, a disk error) is written again."""
     if not shard.exists() or shard.stat().st_mtime < model.stat().st_mtime:
         return False
-    written = read_model_layers(shard)
+    try:
+        written = read_model_layers(shard)
+    except ShardError:
+        return False
     return not (written.end < facts.end and written.capture_blocks == 0)  # before capture blocks

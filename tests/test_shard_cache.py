@@ -26,6 +26,13 @@ def test_a_current_shard_is_kept_and_a_newer_source_rewrites_it(tiny_model: Path
     assert not list(first.parent.glob("*.part"))
 
 
+def test_a_kept_shard_that_no_longer_reads_is_written_again(tiny_model: Path, tmp_path: Path) -> None:
+    shard = cached_shard(tiny_model, 0, 2, tmp_path / "cache")
+    shard.write_bytes(b"GGUF but not a model")  # newer than its source, and unreadable
+    assert cached_shard(tiny_model, 0, 2, tmp_path / "cache") == shard
+    assert read_model_layers(shard).end == 2
+
+
 def test_two_sources_of_one_name_never_share_a_shard(tiny_model: Path, tmp_path: Path) -> None:
     a, b = tmp_path / "a" / "tiny.gguf", tmp_path / "b" / "tiny.gguf"
     a.parent.mkdir()
