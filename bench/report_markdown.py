@@ -6,8 +6,7 @@ from typing import Any
 
 from bench import report_distribution
 from bench.aggregate import SATURATION_SHARE, mean_by, saturation
-from bench.report_table import fmt as _f
-from bench.report_table import table as _table
+from bench.report_table import fmt, table
 from bench.systems import ALL, BARE, CHAIN, NODE, NODE_FAST, PYTHON, SERVER, SLOTS
 
 
@@ -169,7 +168,7 @@ def _systems(r: dict[str, Any]) -> str:
         "llama-server's and llama.cpp's load log): `repack` (CPU_REPACK kernels where the weight "
         "type has a layout), `plain` (ordinary CPU buffer), `amx`.",
         "",
-        _table(["system", "kernel path", "weight buffers", "status"], rows),
+        table(["system", "kernel path", "weight buffers", "status"], rows),
     ]
     if crashes:
         out += [
@@ -194,7 +193,7 @@ def _throughput(r: dict[str, Any], tok: dict[str, dict[int, float]], systems: li
     out = [
         "## Aggregate throughput (generated tok/s)",
         "",
-        _table(["system", *[f"c={c}" for c in cs]], rows),
+        table(["system", *[f"c={c}" for c in cs]], rows),
         "",
         "`Llama serial` serves one request after another: the same figure at every concurrency.",
         "",
@@ -214,7 +213,7 @@ def _throughput(r: dict[str, Any], tok: dict[str, dict[int, float]], systems: li
                 ratio_rows.append([f"{name} / {label}", *[_ratio(tok[mine].get(c), tok[other].get(c)) for c in cs]])
     if CHAIN in tok and NODE in tok:
         ratio_rows.append(["chain2 / node", *[_ratio(tok[CHAIN].get(c), tok[NODE].get(c)) for c in cs]])
-    out.append(_table(["ratio", *[f"c={c}" for c in cs]], ratio_rows))
+    out.append(table(["ratio", *[f"c={c}" for c in cs]], ratio_rows))
     out += [
         "",
         f"### Saturation (rule: the first concurrency whose aggregate tok/s reaches "
@@ -229,7 +228,7 @@ def _throughput(r: dict[str, Any], tok: dict[str, dict[int, float]], systems: li
             at = sat["saturates_at"]
             gains = ", ".join(f"{k}: {v:+.0%}" for k, v in sat["gains"].items())
             sat_rows.append([s, f"c={at}", f"{sat['best_tok_s']:.1f}", gains])
-    out.append(_table(["system", "saturates at", "best tok/s", "gain per doubling"], sat_rows))
+    out.append(table(["system", "saturates at", "best tok/s", "gain per doubling"], sat_rows))
     return "\n".join(out)
 
 
@@ -250,7 +249,7 @@ def _ceiling(r: dict[str, Any], tok: dict[str, dict[int, float]], systems: list[
             "speed without prefill; the systems' tok/s include prefill, so 1.0 is out of reach by that "
             "much. B = the concurrency.",
             "",
-            _table(["", *[f"c={c}" for c in cs]], rows),
+            table(["", *[f"c={c}" for c in cs]], rows),
         ]
     )
 
@@ -275,7 +274,7 @@ def _latency(r: dict[str, Any], cs: list[int]) -> str:
         [
             "## Latency (ms)",
             "",
-            _table(["system", "c", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99"], rows),
+            table(["system", "c", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99"], rows),
             "",
             "TTFT runs from the request's start (before `open`) to its first token, so it includes "
             "waiting for a session slot and the prefill. For `bare llama_decode` a wave's requests "
@@ -330,7 +329,7 @@ def _engine_use(r: dict[str, Any], cs: list[int]) -> str:
             "process for the bare loop), per call: each one stops a member of the OpenMP team, and "
             "the team waits for it at its next barrier.",
             "",
-            _table(ENGINE_USE_COLUMNS, rows),
+            table(ENGINE_USE_COLUMNS, rows),
         ]
     )
 
@@ -357,7 +356,7 @@ def _corruption(r: dict[str, Any]) -> str:
             "prefill in calls of its own, closed sessions' KV cells held until a compaction frees them. "
             "Reference: each of 8 sessions run alone on the single node.",
             "",
-            _table(["check", "sessions", "tokens compared", "mismatches"], rows),
+            table(["check", "sessions", "tokens compared", "mismatches"], rows),
             "",
             f"**mismatches: {r['mismatches']}** (any mismatch is printed and makes the bench exit 1)."
             + (f"\n\n{details}" if details else ""),
@@ -403,13 +402,13 @@ def _default_mode(r: dict[str, Any]) -> str:
             "candidates are nearly tied, and the continuation follows. Reference: the single "
             "node at concurrency 1 (every request alone).",
             "",
-            _table(["run", "sessions identical", "mean token agreement", "earliest parting step"], rows),
+            table(["run", "sessions identical", "mean token agreement", "earliest parting step"], rows),
             "",
             "Teacher-forced logits: 8 sessions fed the same tokens (their solo run's), once "
             "alone and once all 8 together on the default-mode single node; every step's logits "
             "compared.",
             "",
-            _table(TF_COLUMNS, tf_rows),
+            table(TF_COLUMNS, tf_rows),
             "",
             f"Node: largest difference {worst:.3g}, mean {mean:.3g}, against a logit spread (std) of at "
             f"least {scale:.2f}; {sum(x['argmax_differs'] for x in tf)} steps with another argmax. "
@@ -509,7 +508,7 @@ def _pipeline(r: dict[str, Any]) -> str:
             "",
             f"### `generate` on a single node against `{SERVER}`",
             "",
-            _table(["c", "node tok/s", "llama-server tok/s", "ratio"], versus),
+            table(["c", "node tok/s", "llama-server tok/s", "ratio"], versus),
             "",
             "### Scale-out: 2-stage chain (one core per stage) against one node on one core",
             "",
@@ -518,11 +517,11 @@ def _pipeline(r: dict[str, Any]) -> str:
             "have c/2 rows; at best (balanced stages, a free hop) the chain makes twice the one-core "
             "node's tok/s at c/2, and the bound is that node's tok/s at c/2 / its tok/s at c.",
             "",
-            _table(["c", "chain tok/s", "one-core node tok/s", "efficiency", "bound"], scale),
+            table(["c", "chain tok/s", "one-core node tok/s", "efficiency", "bound"], scale),
             "",
             "### Latency tolerance: the chain with delay added one way on each link",
             "",
-            _table(["added delay", "c", "tok/s", "ITL p50", "ITL p99"], latency),
+            table(["added delay", "c", "tok/s", "ITL p50", "ITL p99"], latency),
             "",
             f"Bit-exact mismatches in the proofs (batch-invariant nodes, `generate`, the pipelined "
             f"chain): **{p['mismatches']}**.",
@@ -545,7 +544,7 @@ def _speculation(r: dict[str, Any]) -> str:
               "differing tokens"]  # fmt: skip
     measured = [*s["results"], *s["invariant_checks"]]
     rows = [[x["setup"], x["workload"], str(x["c"]), str(x["speculate"]),
-             *(_f(x[k], d) for k, d in _SPECULATION_KEYS)] for x in measured]  # fmt: skip
+             *(fmt(x[k], d) for k, d in _SPECULATION_KEYS)] for x in measured]  # fmt: skip
     return "\n".join(
         [
             "## Speculative generation (prompt lookup) against `speculate: 0`",
@@ -559,7 +558,7 @@ def _speculation(r: dict[str, Any]) -> str:
             "",
             f"Model `{s['model']}`, the suite's copy-heavy and non-repetitive workloads:",
             "",
-            _table(header, rows),
+            table(header, rows),
             "",
             f"Mismatches in batch-invariant mode: **{s['invariant_mismatches']}**.",
         ]
@@ -595,10 +594,10 @@ def _gateway(r: dict[str, Any]) -> str:
         "with `stream: true`, from concurrent clients in a closed loop, a new HTTP connection per request. "
         "Aggregate tok/s counts completion tokens over wall time; TTFT is the first streamed text.",
         "",
-        _table(["system", "c", "tok/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99"], rows),
+        table(["system", "c", "tok/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99"], rows),
     ]
     if ratios:
-        out += ["", _table(["tok/s ratio", *[f"c={c}" for c in cs]], ratios)]
+        out += ["", table(["tok/s ratio", *[f"c={c}" for c in cs]], ratios)]
     return "\n".join(out)
 
 
@@ -623,7 +622,7 @@ def _compatibility(r: dict[str, Any]) -> str:
                 [
                     "Greedy tokens of each system serving one request at a time, against the node's solo run:",
                     "",
-                    _table(["system", "requests identical", "mean token agreement"], rows),
+                    table(["system", "requests identical", "mean token agreement"], rows),
                     "",
                 ]
                 if rows
