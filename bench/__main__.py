@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.attach import PARTS as ATTACHED_PARTS
 from bench.common import EVIDENCE, MODEL_ENV, WORK, shown
 from bench.progress import say
 
@@ -111,14 +112,6 @@ FULL_EXTRA: dict[tuple[str, str | None], tuple[str, ...]] = {
     ("placement", SHAPE): ("--reps", "2"),
 }
 QUICK_SET: list[tuple[str, str | None]] = [("report", None)]
-# What `attach` folds into a model's report: its option and the evidence file's stem (the model's tag follows).
-ATTACHED = (
-    ("pipeline", "pipeline"),
-    ("gateway", "gateway"),
-    ("speculation", "speculation"),
-    ("stages", "stage_cost"),
-    ("placement", "placement"),
-)
 
 
 def model_tag(model: str) -> str:
@@ -149,7 +142,7 @@ def command(name: str, model: str | None, quick: bool, out: Path | None) -> list
             ["--report", str(report / "bench.json"), "--multihost", str(files / f"multihost{tag}.json")]
             if name == "pipeline"
             else ["--report-dir", str(report)]
-            + [x for flag, stem in ATTACHED for x in (f"--{flag}", str(files / f"{stem}{tag}.json"))]
+            + [x for flag, stem in ATTACHED_PARTS for x in (f"--{flag}", str(files / f"{stem}{tag}.json"))]
         )
     return cmd
 

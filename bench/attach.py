@@ -23,6 +23,15 @@ from typing import Any
 from bench import report_markdown
 from bench.common import EVIDENCE, shown
 
+# The parts: each one's option (and key in the report) and its evidence file's stem.
+PARTS = (
+    ("gateway", "gateway"),
+    ("pipeline", "pipeline"),
+    ("speculation", "speculation"),
+    ("stages", "stage_cost"),
+    ("placement", "placement"),
+)
+
 
 def attach(report: dict[str, Any], parts: dict[str, Path]) -> list[str]:
     """Put each existing part's JSON into `report` under its name; the names attached."""
@@ -39,16 +48,12 @@ def attach(report: dict[str, Any], parts: dict[str, Path]) -> list[str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--report-dir", type=Path, default=EVIDENCE / "DGR-012")
-    parser.add_argument("--gateway", type=Path, default=EVIDENCE / "gateway.json")
-    parser.add_argument("--pipeline", type=Path, default=EVIDENCE / "pipeline.json")
-    parser.add_argument("--speculation", type=Path, default=EVIDENCE / "speculation.json")
-    parser.add_argument("--stages", type=Path, default=EVIDENCE / "stage_cost.json")
-    parser.add_argument("--placement", type=Path, default=EVIDENCE / "placement.json")
+    for name, stem in PARTS:
+        parser.add_argument(f"--{name}", type=Path, default=EVIDENCE / f"{stem}.json")
     args = parser.parse_args()
     path = args.report_dir / "bench.json"
     report = json.loads(path.read_text())
-    parts = ("gateway", "pipeline", "speculation", "stages", "placement")
-    done = attach(report, {name: getattr(args, name) for name in parts})
+    done = attach(report, {name: getattr(args, name) for name, _ in PARTS})
     path.write_text(json.dumps(report, indent=1) + "\n")
     (args.report_dir / "README.md").write_text(report_markdown.render(report))
     print(f"attached {', '.join(done) or 'nothing'} to {shown(args.report_dir)}/bench.json and README.md")

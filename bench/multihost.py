@@ -404,26 +404,26 @@ class Chain:
     tail: str
 
 
-def start_chains(cluster: Cluster, model: Path, work: Path) -> dict[str, Chain]:
+def start_chains(cluster: Cluster, model: Path) -> dict[str, Chain]:
     """A chain for each workload's split (workloads with the same split share one); the first is
     named head/tail, the others head-CUT/tail-CUT."""
     chains: dict[tuple[tuple[int, int], ...], Chain] = {}
-    for workload in cluster.plan.workloads:
-        bounds = tuple(chain_bounds(model, cluster.plan, workload))
+    splits = {w: tuple(chain_bounds(model, cluster.plan, w)) for w in cluster.plan.workloads}
+    for bounds in splits.values():
         if bounds not in chains:
             suffix = f"-{bounds[0][1]}" if chains else ""
             head_model, tail_model = cached_stages(model, bounds, SHARDS)
             tail = cluster.node(f"tail{suffix}", "s1", "s0", tail_model, TAIL_CORE, [])
             head = cluster.node(f"head{suffix}", "s0", "client", head_model, HEAD_CORE, head_flags(cluster.plan, tail))
             chains[bounds] = Chain(bounds, (head_model, tail_model), head, tail)
-    return {w: chains[tuple(chain_bounds(model, cluster.plan, w))] for w in cluster.plan.workloads}
+    return {w: chains[bounds] for w, bounds in splits.items()}
 
 
 def measure(plan: Plan, topo: Topology, procs: Processes, work: Path) -> dict[str, Any]:
     model = bench_model(plan.mode == "quick", work)
     cluster = Cluster(topo, procs, plan)
     single = cluster.node("single", "s0", "client", model, HEAD_CORE, [])
-    by_workload = start_chains(cluster, model, work)
+    by_workload = start_chains(cluster, model)
     first = plan.workloads[0]
     main = by_workload[first]
     head_model, tail_model = main.shards

@@ -147,9 +147,9 @@ def measure_costs(model: Path, how: Measure = Measure()) -> ModelCosts:
     if not (facts.first and facts.last) or n < 3:
         raise ShardError(f"{model}: measuring costs needs a whole model of at least 3 layers")
     files = {
-        "first": cached_shard(model, 0, 1),
-        "middle": cached_shard(model, 1, 2),
-        "last": cached_shard(model, n - 1, n),
+        "first": cached_shard(model, 0, 1, header=header),
+        "middle": cached_shard(model, 1, 2, header=header),
+        "last": cached_shard(model, n - 1, n, header=header),
         "whole": model,
     }
     timed = {name: _time_file(path, how) for name, path in files.items()}

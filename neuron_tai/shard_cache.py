@@ -19,7 +19,15 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from engine.gguf_facts import ModelFacts
-from neuron_tai.shard import ShardError, check_layer_range, read_model_layers, shard_name, write_shard
+from engine.gguf_header import Header
+from neuron_tai.shard import (
+    ShardError,
+    check_layer_range,
+    open_header,
+    read_model_layers,
+    shard_name,
+    write_shard,
+)
 
 log = logging.getLogger("neuron_tai")
 
@@ -29,22 +37,26 @@ def user_shard_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "neuron-tai" / "shards"
 
 
-def cached_shard(model: Path, start: int, end: int, cache_dir: Path | None = None) -> Path:
+def cached_shard(
+    model: Path, start: int, end: int, cache_dir: Path | None = None, header: Header | None = None
+) -> Path:
     """Layers [start, end) of `model` as a shard in `cache_dir` (the user's by default),
-    written only when there is no current one."""
-    facts = read_model_layers(model)
+    written only when there is no current one. `header`: the model's, if already read."""
+    header = header or open_header(model)
+    facts = read_model_layers(model, header)
     check_layer_range(facts.block_count, start, end)
     out = (cache_dir or user_shard_dir()) / source_folder(model) / shard_name(model, start, end)
     if not _current(out, model, facts):
         out.parent.mkdir(parents=True, exist_ok=True)
         log.info("writing shard %s", out)
-        write_shard(model, start, end, out)
+        write_shard(model, start, end, out, header)
     return out
 
 
 def cached_stages(model: Path, bounds: Sequence[tuple[int, int]], cache_dir: Path) -> list[Path]:
-    """`cached_shard` for each layer range, in order."""
-    return [cached_shard(model, a, b, cache_dir) for a, b in bounds]
+    """`cached_shard` for each layer range, in order (the model's header read once)."""
+    header = open_header(model)
+    return [cached_shard(model, a, b, cache_dir, header) for a, b in bounds]
 
 
 def source_folder(model: Path) -> str:
