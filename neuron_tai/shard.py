@@ -20,6 +20,7 @@ layers end.
 
 from __future__ import annotations
 
+import glob
 import itertools
 import os
 import re
@@ -103,6 +104,7 @@ def write_shard(src: Path, start: int, end: int, out: Path, header: Header | Non
     capture = 1 if end < layers.file_blocks else 0  # a shard that does not end the model: block `end` too
     entries = _shard_entries(header, arch, layers, start, end, capture)
     kept = _shard_tensors(header, start, end + capture)
+    remove_abandoned_parts(out)
     tmp = out.with_name(f"{out.name}.{os.getpid()}.part")  # a writer of its own: two may race for one shard
     try:
         with src.open("rb") as fin, tmp.open("wb") as fout:
@@ -112,6 +114,28 @@ def write_shard(src: Path, start: int, end: int, out: Path, header: Header | Non
         tmp.unlink(missing_ok=True)
         raise
     return out
+
+
+def remove_abandoned_parts(out: Path) -> list[Path]:
+    """Delete half-written copies of `out` whose writer is gone (killed mid-write: its `except`
+    never ran); a living writer's copy stays. Returns what was deleted."""
+    removed = []
+    for part in out.parent.glob(f"{glob.escape(out.name)}.*.part"):
+        pid = part.name[len(out.name) + 1 : -len(".part")]
+        if pid.isdigit() and not _alive(int(pid)):
+            part.unlink(missing_ok=True)
+            removed.append(part)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
 def _overrides(header: Header, arch: str, layers: ModelFacts, start: int, end: int, capture: int) -> dict[str, bytes]:

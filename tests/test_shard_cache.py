@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from neuron_tai.shard import ShardError, read_model_layers
-from neuron_tai.shard_cache import cached_shard, cached_stages, user_shard_dir
+from neuron_tai.shard import ShardError, read_model_layers, shard_name
+from neuron_tai.shard_cache import cached_shard, cached_stages, source_folder, user_shard_dir
 from testkit.models import TinySpec, write_tiny_model
 
 
@@ -31,6 +33,25 @@ def test_a_kept_shard_that_no_longer_reads_is_written_again(tiny_model: Path, tm
     shard.write_bytes(b"GGUF but not a model")  # newer than its source, and unreadable
     assert cached_shard(tiny_model, 0, 2, tmp_path / "cache") == shard
     assert read_model_layers(shard).end == 2
+
+
+def test_a_killed_writers_half_shard_is_removed_and_a_living_ones_kept(tiny_model: Path, tmp_path: Path) -> None:
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    living = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        folder = tmp_path / "cache" / source_folder(tiny_model)
+        folder.mkdir(parents=True)
+        name = shard_name(tiny_model, 0, 2)
+        abandoned, writing = (folder / f"{name}.{p.pid}.part" for p in (gone, living))
+        other = folder / f"{shard_name(tiny_model, 2, 4)}.{gone.pid}.part"  # another shard's: not this writer's
+        for part in (abandoned, writing, other):
+            part.write_bytes(b"half")
+        shard = cached_shard(tiny_model, 0, 2, tmp_path / "cache")
+        assert read_model_layers(shard).end == 2
+        assert not abandoned.exists() and writing.exists() and other.exists()
+    finally:
+        living.communicate()
 
 
 def test_two_sources_of_one_name_never_share_a_shard(tiny_model: Path, tmp_path: Path) -> None:
