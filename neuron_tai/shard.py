@@ -25,6 +25,7 @@ import itertools
 import os
 import re
 import struct
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import BinaryIO
@@ -116,15 +117,28 @@ def write_shard(src: Path, start: int, end: int, out: Path, header: Header | Non
     return out
 
 
-def remove_abandoned_parts(out: Path) -> list[Path]:
+# A writer in another PID namespace (a container sharing the cache) is invisible to `_alive`;
+# it is still writing, so its file changed within this many seconds.
+ABANDONED_AFTER_S = 60.0
+
+
+def remove_abandoned_parts(out: Path, now: float | None = None) -> list[Path]:
     """Delete half-written copies of `out` whose writer is gone (killed mid-write: its `except`
-    never ran); a living writer's copy stays. Returns what was deleted."""
+    never ran) and that nothing wrote to for ABANDONED_AFTER_S; a living writer's copy stays.
+    Returns what was deleted."""
+    now = time.time() if now is None else now
     removed = []
     for part in out.parent.glob(f"{glob.escape(out.name)}.*.part"):
         pid = part.name[len(out.name) + 1 : -len(".part")]
-        if pid.isdigit() and not _alive(int(pid)):
-            part.unlink(missing_ok=True)
-            removed.append(part)
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        try:
+            if now - part.stat().st_mtime < ABANDONED_AFTER_S:
+                continue
+            part.unlink()
+        except FileNotFoundError:
+            continue  # another writer removed it first
+        removed.append(part)
     return removed
 
 

@@ -45,11 +45,14 @@ def test_a_killed_writers_half_shard_is_removed_and_a_living_ones_kept(tiny_mode
         name = shard_name(tiny_model, 0, 2)
         abandoned, writing = (folder / f"{name}.{p.pid}.part" for p in (gone, living))
         other = folder / f"{shard_name(tiny_model, 2, 4)}.{gone.pid}.part"  # another shard's: not this writer's
-        for part in (abandoned, writing, other):
+        unseen = folder / f"{name}.{2**22 + 1}.part"  # above any pid: a writer in another PID namespace
+        for part in (abandoned, writing, other, unseen):
             part.write_bytes(b"half")
+            os.utime(part, (0, 0))  # untouched since 1970
+        unseen.touch()  # but this one is being written
         shard = cached_shard(tiny_model, 0, 2, tmp_path / "cache")
         assert read_model_layers(shard).end == 2
-        assert not abandoned.exists() and writing.exists() and other.exists()
+        assert not abandoned.exists() and writing.exists() and other.exists() and unseen.exists()
     finally:
         living.communicate()
 
