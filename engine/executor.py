@@ -69,6 +69,8 @@ class Executor:
 
     async def run_calls(self, plan: Plan, between: Callable[[], Awaitable[None]]) -> None:
         """Each of the plan's calls in turn, awaiting `between` them (the engine's hand-over)."""
+        if plan.halved:
+            self.telemetry.halved_total += 1
         for i, call in enumerate(plan.calls):
             if i:
                 await between()

@@ -82,6 +82,7 @@ class BatchStatistics:
     preemptions_total: int  # the process's involuntary context switches (engine/process_cpu.py)
     linger_seconds_total: float
     no_kv_slot_total: int
+    halved_total: int
     kernel_path: str
     pad_rows: int
     micro_batches: int
@@ -195,6 +196,7 @@ def wire_stats(s: EngineStatistics) -> dict[str, Any]:
         "linger_seconds_total": round(s.batches.linger_seconds_total, 4),
         "late_sessions_total": s.sessions.late_total,
         "decode_no_kv_slot_total": s.batches.no_kv_slot_total,
+        "decode_halved_total": s.batches.halved_total,
         "cleanups_total": s.queue.cleanups_total,
         "cleanups_pending": s.queue.cleanups_pending,
         "inbox_size": s.queue.inbox_size,
@@ -284,6 +286,7 @@ def batch_statistics(
         preemptions_total=preemptions(),
         linger_seconds_total=t.linger_seconds_total,
         no_kv_slot_total=t.no_kv_slot_total,
+        halved_total=t.halved_total,
         kernel_path=backend.model.kernel_path.value,
         pad_rows=pad_rows,
         micro_batches=micro_batches,

@@ -118,8 +118,10 @@ async def test_halved_iterations_answer_every_session_as_one_call_would(
                 nursery.start_soon(one, name)
         calls_per_iteration = Counter(r.iteration for r in engine.iterations)
         decode_only = engine.executor.pace.steps.measured()
+        halved = engine.stats()["decode_halved_total"]
     assert together == solo
     assert (max(calls_per_iteration.values()) == 2) == split_decodes
+    assert halved == sum(1 for n in calls_per_iteration.values() if n == 2), "stats count each halved iteration"
     assert decode_only, "the pace measured decode steps (a halved iteration counts as one)"
 
 
