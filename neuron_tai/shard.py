@@ -51,6 +51,7 @@ from engine.gguf_header import (
     encode_string,
     read_header,
 )
+from neuron_tai.process_exists import process_exists
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 _UINT32, _BOOL = 4, 7
@@ -117,39 +118,28 @@ def write_shard(src: Path, start: int, end: int, out: Path, header: Header | Non
     return out
 
 
-# A writer in another PID namespace (a container sharing the cache) is invisible to `_alive`;
+# A writer in another PID namespace (a container sharing the cache) is invisible to `process_exists`;
 # it is still writing, so its file changed within this many seconds.
 ABANDONED_AFTER_S = 60.0
 
 
-def remove_abandoned_parts(out: Path, now: float | None = None) -> list[Path]:
+def remove_abandoned_parts(out: Path) -> list[Path]:
     """Delete half-written copies of `out` whose writer is gone (killed mid-write: its `except`
     never ran) and that nothing wrote to for ABANDONED_AFTER_S; a living writer's copy stays.
     Returns what was deleted."""
-    now = time.time() if now is None else now
     removed = []
     for part in out.parent.glob(f"{glob.escape(out.name)}.*.part"):
         pid = part.name[len(out.name) + 1 : -len(".part")]
-        if not pid.isdigit() or _alive(int(pid)):
+        if not pid.isdigit() or process_exists(int(pid)):
             continue
         try:
-            if now - part.stat().st_mtime < ABANDONED_AFTER_S:
+            if time.time() - part.stat().st_mtime < ABANDONED_AFTER_S:
                 continue
             part.unlink()
         except FileNotFoundError:
             continue  # another writer removed it first
         removed.append(part)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process
-    return True
 
 
 def _overrides(header: Header, arch: str, layers: ModelFacts, start: int, end: int, capture: int) -> dict[str, bytes]:
