@@ -11,8 +11,13 @@ more at every size, and then nothing is split.
 The policy: keep a running cost of decode-only calls by rows. An iteration of `n` decode
 rows runs as two calls when the two halves' measured costs add up to less than
 `MARGIN` x the whole call's. A size is measured before it is compared: the whole call first,
-then the halves once. Every `RECHECK_EVERY`-th decision for a size takes the other choice,
-so a cost that drifted (longer contexts, another process on the cores) is seen again.
+then the halves once. After that a size's decisions now and then take the other choice, so
+a cost that drifted (longer contexts, another process on the cores) is seen again: first
+after `RECHECK_EVERY` decisions, then after twice as many each time a recheck leaves the
+choice as it was (up to `MAX_RECHECK_EVERY`), and after `RECHECK_EVERY` again once it
+changes. A recheck runs the dearer shape: where a call's cost is mostly a fixed part
+(reading the weights), two halves cost nearly two calls, so a recheck every 32 decisions
+adds about 1/32 to that size's decode time, and one every 512 about 1/512.
 """
 
 from __future__ import annotations
@@ -27,11 +32,12 @@ class DecodeCallCosts:
     """Running cost (ms) of decode-only calls by rows, and the split decision it gives."""
 
     ms: dict[int, float] = field(default_factory=dict)
-    decisions: dict[int, int] = field(default_factory=dict)  # per size: decisions taken so far
+    rechecks: dict[int, Recheck] = field(default_factory=dict)  # per size, once both shapes are measured
 
     MIN_ROWS = 2  # fewer rows cannot be split
     MARGIN = 0.95  # split only for a clear gain: the halves within 95% of the whole call
     RECHECK_EVERY = 32
+    MAX_RECHECK_EVERY = 512
 
     def observe(self, rows: int, ms: float) -> None:
         """Record one decode-only call of `rows` rows (every row one session's next token)."""
@@ -47,10 +53,30 @@ class DecodeCallCosts:
         second = rows - first
         if first not in self.ms or second not in self.ms:
             return True  # measure the halves once
-        n = self.decisions.get(rows, 0) + 1
-        self.decisions[rows] = n
         cheaper = self.ms[first] + self.ms[second] < self.MARGIN * self.ms[rows]
-        return cheaper != (n % self.RECHECK_EVERY == 0)
+        recheck = self.rechecks.setdefault(rows, Recheck(self.RECHECK_EVERY, cheaper))
+        return cheaper != recheck.due(cheaper, self.RECHECK_EVERY, self.MAX_RECHECK_EVERY)
+
+
+@dataclass(slots=True)
+class Recheck:
+    """When one size next takes the other choice: every `every` decisions, longer apart while
+    the choice stays the same."""
+
+    every: int
+    choice: bool  # the measured choice at the last decision
+    since: int = 0  # decisions since the last recheck
+
+    def due(self, choice: bool, shortest: int, longest: int) -> bool:
+        """Count one decision whose measured choice is `choice`; whether it is a recheck."""
+        if choice != self.choice:
+            self.every, self.since = shortest, 0  # the costs moved: look again soon
+        self.choice = choice
+        self.since += 1
+        if self.since < self.every:
+            return False
+        self.every, self.since = min(2 * self.every, longest), 0
+        return True
 
 
 def split_at(rows: int) -> int:

@@ -61,11 +61,35 @@ def test_where_calls_cost_a_fixed_part_plus_rows_splits_are_only_probes(
         assert n <= 1 + seen[rows] // DecodeCallCosts.RECHECK_EVERY
 
 
-@given(whole=st.floats(10.0, 1000.0), half_share=st.floats(0.1, 2.0), decisions=st.integers(1, 200))
+def recheck_positions(decisions: int) -> set[int]:
+    """Where rechecks fall while the choice stays: RECHECK_EVERY decisions in, then twice as
+    far apart each time, never further than MAX_RECHECK_EVERY."""
+    at, every, positions = 0, DecodeCallCosts.RECHECK_EVERY, set()
+    while at + every <= decisions:
+        at += every
+        positions.add(at)
+        every = min(2 * every, DecodeCallCosts.MAX_RECHECK_EVERY)
+    return positions
+
+
+@given(whole=st.floats(10.0, 1000.0), half_share=st.floats(0.1, 2.0), decisions=st.integers(1, 3000))
 def test_once_measured_the_cheaper_shape_wins_but_for_rechecks(whole: float, half_share: float, decisions: int) -> None:
-    """Every decision takes the measured cheaper shape, except every RECHECK_EVERY-th, which
-    takes the other one (so a cost that drifted is seen again)."""
+    """Every decision takes the measured cheaper shape, except the rechecks, which take the
+    other one (so a cost that drifted is seen again), further apart while nothing changes."""
     rule = measured({8: whole, 4: whole * half_share / 2})
     cheaper = whole * half_share < DecodeCallCosts.MARGIN * whole
+    rechecks = recheck_positions(decisions)
     for n in range(1, decisions + 1):
-        assert rule.halves(8) == (cheaper != (n % DecodeCallCosts.RECHECK_EVERY == 0))
+        assert rule.halves(8) == (cheaper != (n in rechecks))
+
+
+def test_rechecks_come_soon_again_once_the_choice_changes() -> None:
+    """Rechecks far apart after a long steady run; when the costs move enough to change the
+    choice, the next recheck is RECHECK_EVERY decisions away again."""
+    rule = measured({8: 200.0, 4: 150.0})  # halves 300 ms against 200: run whole
+    steady = sum(1 for _ in range(1000) if rule.halves(8))
+    assert steady == len(recheck_positions(1000)) == 5  # at 32, 96, 224, 480 and 992
+    for _ in range(20):
+        rule.observe(4, 60.0)  # the halves got cheap: 120 ms against 200
+    choices = [rule.halves(8) for _ in range(DecodeCallCosts.RECHECK_EVERY)]
+    assert choices == [True] * (DecodeCallCosts.RECHECK_EVERY - 1) + [False]
