@@ -10,10 +10,6 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from neuron_tai.process_exists import process_exists
-
-alive = process_exists  # the tests' name for it
-
 TINY_FLAGS = [
     "--kv-cells", "1024", "--n-batch", "64", "--n-ubatch", "64", "--threads", "2", "--max-sessions", "4",
     "--kv-type", "f32", "--flash-attn", "off", "--downstream-timeout", "2", "--log-level", "warning",

@@ -15,7 +15,7 @@ import pytest
 
 from bench.faults import ENV as CRASH_ENV
 from bench.systems import BARE, CHAIN, NODE, NODE_FAST, PYTHON
-from tests.nodes import alive
+from neuron_tai.process_exists import process_exists
 
 ROOT = Path(__file__).resolve().parent.parent
 REPORT = [sys.executable, "-m", "bench.report", "quick"]
@@ -62,7 +62,7 @@ def test_quick_bench_reports_every_system_and_proves_sessions_never_mix(tmp_path
     assert burst["stats_after"]["admissions_rejected_total"]["session_limit"] == 16
 
     assert len(report["telemetry"]) > 0 and report["saturation"][NODE]["tok_s"]
-    assert report["processes"] and not any(alive(p["pid"]) for p in report["processes"])
+    assert report["processes"] and not any(process_exists(p["pid"]) for p in report["processes"])
     assert "mismatches: 0" in (out / "README.md").read_text()
 
     for system in (NODE, NODE_FAST, CHAIN, PYTHON, BARE):  # each system's kernel path, read back from it
@@ -159,7 +159,7 @@ def test_bench_reports_a_crashed_node_and_still_writes_the_rest(tmp_path: Path) 
     assert "**crashed**: chain2-tail killed by SIGSEGV before it was ready" in readme
     assert "loading the model ..." in readme and mid_run["log_tail"][-1] in readme
     assert "mismatches: 0" in readme
-    assert not any(alive(p["pid"]) for p in report["processes"])
+    assert not any(process_exists(p["pid"]) for p in report["processes"])
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
@@ -183,9 +183,9 @@ def test_interrupted_bench_stops_every_process_it_started(tmp_path: Path, signum
     assert proc.returncode == 130, rest
     assert len(pids) >= 7
     deadline = time.monotonic() + 10
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(process_exists(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not [p for p in pids if alive(p)]
+    assert not [p for p in pids if process_exists(p)]
 
 
 def test_stage_cost_times_both_splits_of_the_tiny_model() -> None:

@@ -19,8 +19,8 @@ import pytest
 from bench import hostile
 from bench.chaos_report import ANSWERED, CLASS_ORDER
 from bench.fake_stage import OPEN_REPLIES, STEP_REPLIES, FakeStage
+from neuron_tai.process_exists import process_exists
 from protocol.errors import ErrorCode
-from tests.nodes import alive
 from transport import wire
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -182,4 +182,4 @@ def test_quick_chaos_run_passes_every_criterion_and_stops_everything(tmp_path: P
 
     for name, memory in report["memory"].items():
         assert memory["within_bound"], (name, memory)
-    assert report["processes"] and not any(alive(p["pid"]) for p in report["processes"])
+    assert report["processes"] and not any(process_exists(p["pid"]) for p in report["processes"])

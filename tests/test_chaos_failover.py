@@ -16,7 +16,7 @@ from typing import Any
 
 from bench.chaos_failover_report import failures
 from bench.netns import namespaces_unavailable
-from tests.nodes import alive
+from neuron_tai.process_exists import process_exists
 
 ROOT = Path(__file__).resolve().parent.parent
 KINDS = ("kill", "stop", "cut")
@@ -73,4 +73,4 @@ def test_quick_failover_run_loses_no_session_and_changes_no_token(tmp_path: Path
     killed = [p for p in report["processes"] if p["killed_on_purpose"]]
     assert killed and all(p["exit_status"] == -9 for p in killed)
     assert report["recovery"]["recoveries_total"] > 0 and report["recovery"]["recoveries_failed_total"] == 0
-    assert report["processes"] and not any(alive(p["pid"]) for p in report["processes"])
+    assert report["processes"] and not any(process_exists(p["pid"]) for p in report["processes"])

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from bench.multihost import batching_bound, halves
-from tests.nodes import alive
+from neuron_tai.process_exists import process_exists
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = [sys.executable, "-m", "bench.multihost", "--quick"]
@@ -76,7 +76,7 @@ def test_quick_chain_across_namespaces_matches_single_node_and_leaves_nothing(tm
     names = {p["name"] for p in report["processes"]}
     assert names >= {"single", "head", "tail", "head-2ms", "proxy-client-s0-2ms", "proxy-s0-s1-2ms"}
     assert all(p["exit_status"] == 0 for p in report["processes"])
-    assert not [p for p in report["processes"] if alive(p["pid"])]
+    assert not [p for p in report["processes"] if process_exists(p["pid"])]
     assert leftovers(tag) == []
 
 
@@ -98,7 +98,7 @@ def test_sigterm_mid_run_removes_namespaces_links_and_processes(tmp_path: Path) 
     rest, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, "".join(seen) + rest
     assert "interrupted" in rest
-    assert not [pid for pid in pids if alive(pid)]
+    assert not [pid for pid in pids if process_exists(pid)]
     assert leftovers(tag) == []
 
 
@@ -116,4 +116,4 @@ def test_loopback_fallback_runs_the_same_chain(tmp_path: Path) -> None:
     )
     assert report["latency"]["runs"][0]["tokens"] == report["single_solo_tokens"]
     assert report["chain_token_mismatches"] == 0
-    assert not [p for p in report["processes"] if alive(p["pid"])]
+    assert not [p for p in report["processes"] if process_exists(p["pid"])]
