@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -37,10 +36,21 @@ from engine.compute_thread import ComputeThread
 from engine.config import EngineConfig
 from engine.executor import Executor, IterationRecord
 from engine.gguf_facts import ModelFacts, read_facts
+from engine.inbox import Inbox, Queued
 from engine.inbox_wait import take_while
 from engine.kernels import INVARIANT_PAD_ROWS
 from engine.linger import SETTLE_GAP_S, linger_limit_s, lingering
-from engine.messages import Cleanup, Closed, CloseRequest, OpenRequest, Result, SessionEnd, StepRequest
+from engine.messages import (
+    Cleanup,
+    Closed,
+    CloseRequest,
+    OpenRequest,
+    Owner,
+    Result,
+    SessionEnd,
+    StepRequest,
+    StepsEnded,
+)
 from engine.process_memory import resident_memory
 from engine.replies import Reply
 from engine.scheduler import INVARIANT_MAX_ROWS, Plan, Scheduler, SchedulerConfig
@@ -67,7 +77,6 @@ __all__ = ["Engine", "IterationRecord", "open_engine", "plan_budgets"]
 log = logging.getLogger("neuron_tai.engine")
 
 Asked = OpenRequest | StepRequest | CloseRequest  # what `Engine.request` takes
-Queued = OpenRequest | StepRequest  # what goes through the inbox (a close is a cleanup)
 
 
 def plan_budgets(config: EngineConfig, facts: ModelFacts) -> tuple[Budgets, int]:
@@ -124,8 +133,7 @@ class Engine:
             halve_decodes=config.split_decodes and self.scheduler.config.may_halve,
         )
         self.iterations = self.executor.iterations
-        self._inbox_send, self._inbox = trio.open_memory_channel[tuple[Queued, Reply]](config.inbox_size)
-        self._queued: Counter[Any] = Counter()  # requests in the inbox, by owner
+        self._inbox = Inbox(config.inbox_size, self.queued_per_peer)
         self._bursts = Bursts(SETTLE_GAP_S)  # how steps come in from a stage above
         self._cleanups = CleanupQueue()
         # Once: asking llama.cpp about every vocabulary entry takes a while on large vocabularies.
@@ -154,31 +162,31 @@ class Engine:
             except trio.EndOfChannel:  # unreachable while the loop answers everything; never hang on it
                 return self.telemetry.counted(Fault(ErrorCode.SHUTTING_DOWN, "the node stopped"))
 
-    def _enqueue(self, request: Queued, reply: Reply) -> Fault | None:
+    def _enqueue(self, request: OpenRequest | StepRequest, reply: Reply) -> Fault | None:
         counted = self.telemetry.counted
         if self.draining:
             return counted(Fault(ErrorCode.SHUTTING_DOWN, "the node is draining"))
-        if self.queued_per_peer < self.config.inbox_size and self._queued[request.owner] >= self.queued_per_peer:
+        if self._inbox.owner_full(request.owner):
             self.telemetry.quota_refused["queued"] += 1
             quota = f"this connection has its quota of {self.queued_per_peer} requests queued for the engine"
             return counted(Fault(ErrorCode.BUSY, quota, self.busy_retry_ms()))
         try:
-            self._inbox_send.send_nowait((request, reply))
+            self._inbox.put(request, reply)
         except trio.WouldBlock:
             return counted(Fault(ErrorCode.BUSY, "the engine's inbox is full", self.busy_retry_ms()))
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             return counted(Fault(ErrorCode.SHUTTING_DOWN, "the node has stopped"))
-        self._queued[request.owner] += 1
         if isinstance(request, StepRequest):
             key = (request.owner, request.session)
             self._bursts.arrived(key, trio.current_time(), self.scheduler.sessions, decode=request.n == 1)
         return None
 
-    def _taken(self, request: Queued) -> None:
-        """A request left the inbox: its owner's share has room again."""
-        self._queued[request.owner] -= 1
-        if not self._queued[request.owner]:
-            del self._queued[request.owner]
+    def steps_ended(self, owner: Owner, session: str) -> None:
+        """An in-process requester's word that the session's steps have ended for now (its
+        `generate` returned): the loop stops holding a batch for its next step. It goes
+        through the inbox, so a later run's first step comes after it, and takes no share of
+        the owner's quota; a full inbox drops it, which costs one linger."""
+        self._inbox.hint(StepsEnded(owner, session))
 
     def cleanup_nowait(self, request: Cleanup, on_closed: ClosedListener | None = None) -> trio.Event:
         """Queue a cleanup; never refused, also while draining. The event is set once it is done
@@ -299,21 +307,23 @@ class Engine:
         self._run_cleanups()
         while True:
             try:
-                request, reply = self._inbox.receive_nowait()
+                request, reply = self._inbox.receiver.receive_nowait()
             except (trio.WouldBlock, trio.EndOfChannel):
                 return
             if not refuse:
                 self._take(request, reply)
-            else:
-                self._taken(request)
+            elif not isinstance(request, StepsEnded):  # a hint is not answered
+                self._inbox.taken(request)
                 reply.answer(self.telemetry.counted(Fault(ErrorCode.SHUTTING_DOWN, "the node stopped")))
 
     def _take(self, request: Queued, reply: Reply) -> None:
         """Handle a request from the inbox, after any cleanup queued before it (a close, then a
         reopen of the same id, is seen in that order)."""
-        self._taken(request)
+        self._inbox.taken(request)
         self._run_cleanups()
-        if isinstance(request, OpenRequest):
+        if isinstance(request, StepsEnded):
+            self.sessions.steps_ended((request.owner, request.session))
+        elif isinstance(request, OpenRequest):
             self.sessions.open(request, reply)
         else:
             self.sessions.step(request, reply)
@@ -329,7 +339,7 @@ class Engine:
         deadlines = [d for d in (self.scheduler.next_deadline_ms(), self._idle_deadline_ms()) if d is not None]
         deadline = trio.current_time() + (min(deadlines) - now_ms()) / 1000 if deadlines else math.inf
         with trio.CancelScope(deadline=deadline) as self._idle_scope:
-            request, reply = await self._inbox.receive()
+            request, reply = await self._inbox.receiver.receive()
             self._take(request, reply)
         self._idle_scope = None
 
@@ -364,7 +374,7 @@ class Engine:
         if limit_s <= 0 or gap_s() is None:
             return
         started = time.perf_counter()
-        await take_while(self._inbox, lambda got: self._take(*got), gap_s, limit_s)
+        await take_while(self._inbox.receiver, lambda got: self._take(*got), gap_s, limit_s)
         self.telemetry.linger_seconds_total += time.perf_counter() - started
 
     def _forget_late(self, plan: Plan) -> None:
@@ -389,7 +399,7 @@ class Engine:
     def _fail_everything_pending(self) -> None:
         """The loop stopped: answer every step, open and request still waiting, run every cleanup."""
         self.sessions.fail_everything_pending()
-        self._inbox_send.close()
+        self._inbox.close()
         self._drain_inbox(refuse=True)  # runs the cleanups still queued, too
 
     # -- telemetry ------------------------------------------------------------------

@@ -61,6 +61,15 @@ class StepRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class StepsEnded:
+    """An in-process requester (server-side `generate`) sends no further step for the session:
+    the loop stops holding a batch for one. A hint, never answered: lost, it costs one linger."""
+
+    owner: Owner
+    session: str
+
+
+@dataclass(frozen=True, slots=True)
 class CloseRequest:
     owner: Owner
     session: str

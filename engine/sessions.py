@@ -118,6 +118,11 @@ class Sessions:
         if first and decode and groups > 1:
             self.answered_at[key] = now_ms()
 
+    def steps_ended(self, key: SessionKey) -> None:
+        """The session's requester sends no further step for now: nobody waits for one."""
+        self.coming_back.discard(key)
+        self.answered_at.pop(key, None)
+
     def step(self, request: StepRequest, reply: Reply) -> None:
         """Check a step's payload (once: the decode does not scan it again) and queue it; the
         scheduler checks its session's state."""

@@ -115,6 +115,7 @@ class Generations:
                 run.cancel.set()
 
     def _ended(self, key: Key, run: Generation) -> None:
+        self.engine.steps_ended(*key)  # before a later run's first step can be queued
         for rid in run.cancels:  # after the run's `done`
             self.outbox.send(key[0], _cancelled(rid, key[1], run.length))
         if self.runs.get(key) is run:

@@ -178,7 +178,7 @@ async def test_flood_gets_busy_and_stays_bounded(tiny_model: Path) -> None:
                     nursery.start_soon(ask, step)
                 stats = engine.stats()
                 assert stats["queue_bytes"] <= cfg.queue_budget_bytes
-                assert engine._inbox.statistics().current_buffer_used <= cfg.inbox_size
+                assert engine._inbox.receiver.statistics().current_buffer_used <= cfg.inbox_size
                 await trio.sleep(0)
         immediate = [r for r in replies if isinstance(r, Fault) and "inbox is full" in r.message]
         busy = [f for f in replies if isinstance(f, Fault) and f.code == "busy"]
@@ -443,7 +443,7 @@ async def test_every_freed_session_ends_once_on_the_channel(tiny_model: Path) ->
             await wait_until(entered.is_set)
             async with trio.open_nursery() as requesters:
                 requesters.start_soon(engine.request, OpenRequest("a", "left", 50))
-                await wait_until(lambda: engine._inbox.statistics().current_buffer_used == 1)
+                await wait_until(lambda: engine._inbox.receiver.statistics().current_buffer_used == 1)
                 requesters.cancel_scope.cancel()
             release.set()  # the open that nobody waits for any more is taken: what it opened is freed
         await wait_until(lambda: len(ends) >= 7)
@@ -486,7 +486,7 @@ async def test_a_slow_consumer_of_session_ends_slows_the_engine_and_loses_nothin
                 lambda: (
                     channel.statistics().current_buffer_used == SESSION_ENDS_BUFFER
                     and engine._ends.backlog > 0  # ends it could not hand over yet: it waits for room...
-                    and engine._inbox.statistics().current_buffer_used == 1
+                    and engine._inbox.receiver.statistics().current_buffer_used == 1
                 )  # ... and takes no request meanwhile
             )
             assert len(opened) < n

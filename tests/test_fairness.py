@@ -124,7 +124,7 @@ async def test_a_flood_during_a_long_decode_leaves_another_connection_its_room(t
         try:
             attacker.send({"op": "open", "rid": 1, "session": "mine", "max_tokens": 8})
             assert (await attacker.recv())[0]["op"] == "opened"
-            inbox = node.engine._inbox.statistics
+            inbox = node.engine._inbox.receiver.statistics
             with held_decodes(node.engine) as (entered, release):
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(step, "v1")

@@ -172,6 +172,20 @@ async def test_continuing_with_step_or_generate_equals_one_longer_run(tiny_model
         assert stepped.token == single.tokens[4]
 
 
+async def test_an_ended_run_is_not_waited_for(tiny_model: Path) -> None:
+    """Once a generate has ended, the engine stops expecting its session's next step (it would
+    hold a batch for it), while the session stays open for another run."""
+    async with node_and_client(tiny_model) as (node, c):
+        await c.open("s", 40)
+        await c.open("t", 40)
+        await generate(c, "s", 0, IDS, 3, ignore_eog=True)
+        await generate(c, "t", 0, IDS, 3, ignore_eog=True)
+        await wait_until(lambda: not node.engine.sessions.coming_back)
+        assert len(node.engine.scheduler.sessions) == 2
+        again = await generate(c, "s", 0, IDS, 3, ignore_eog=True)
+        assert again.tokens == (await generate(c, "t", 0, IDS, 3, ignore_eog=True)).tokens
+
+
 # -- cancel, close, busy -------------------------------------------------------------------------
 
 

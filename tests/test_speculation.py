@@ -321,7 +321,7 @@ async def test_a_verification_shares_a_llama_decode_with_other_sessions_decodes(
 
                 nursery.start_soon(ask, "plain", [7], Output.TOKEN)
                 nursery.start_soon(ask, "spec", [7, *DRAFTS], Output.TOKENS)
-                await wait_until(lambda: engine._inbox.statistics().current_buffer_used == 2)
+                await wait_until(lambda: engine._inbox.receiver.statistics().current_buffer_used == 2)
                 release.set()
         shared = [r for r in engine.executor.iterations if {c[0][1] for c in r.chunks} == {"plain", "spec"}]
         assert shared, list(engine.executor.iterations)
