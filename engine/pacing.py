@@ -22,6 +22,14 @@ prefill. The policy (README, "How a node schedules"):
   few iterations instead of trickling in one prompt per many steps (a decode call costs
   nearly the same with 2 rows as with 8). Such boosted calls stretch the gaps of the few
   sessions decoding past the target: they are left out of the p99 the gain follows.
+- **Every prompt waiting moves.** An iteration's prefill is never fewer than `MIN_CHUNK`
+  rows for each session waiting to prefill (the scheduler's `max_prefill_tokens` caps it).
+  Held to the target alone, a burst of prompts beside a few sessions decoding would trickle
+  in one smallest chunk an iteration while the decoders finish: each extra call costs a
+  pass over all the weights, and the prompts' first tokens wait for the decoders' last.
+  With one prompt waiting this changes nothing (the promise above); with k, the gaps of
+  the sessions decoding may stretch to k smallest chunks, and such calls are left out of
+  the p99 the gain follows.
 - A decode step's cost is only measured by an iteration without prefill; under steady
   traffic those stop happening on their own (some prompt is always waiting), so one is
   asked for when the estimate is missing or stale, or no measured size is within a factor
@@ -72,8 +80,8 @@ class PrefillPace:
     budget_rows: int = 0  # the last budget: a call that carried fewer rows says nothing of more
     sized: bool = False  # the last budget came from the costs and the gain (not a probe, not 0)
 
-    # Prefill rows beside decodes are never fewer than this (nor more than the prompt has
-    # left). Small chunks cost far more per token than large ones: measured on gemma-3-270m
+    # Prefill rows beside decodes are never fewer than this for each prompt waiting (nor more
+    # than the prompts have left). Small chunks cost far more per token than large ones: measured on gemma-3-270m
     # with 5 decodes, 6 prompt rows added 40 ms to a 34 ms step, while 117 rows cost 1.8 ms
     # each; sized from the former, budgets would shrink to a few rows and prefill crawl.
     MIN_CHUNK = 32
@@ -157,7 +165,11 @@ class PrefillPace:
             room *= demand.prefilling / max(demand.decoding, 1)
             self.boosted = True
         self.sized = True
-        return max(self.MIN_CHUNK, int(room / max(self.prefill_token_ms, 1e-6)))
+        rows = int(room / max(self.prefill_token_ms, 1e-6))
+        floor = self.MIN_CHUNK * max(demand.prefilling, 1)  # every prompt waiting moves on
+        if floor > rows and demand.prefilling > 1:
+            self.boosted = True  # past the target for the prompts' sake: no evidence for the gain
+        return max(floor, rows)
 
 
 def _quantile(values: deque[float], q: float) -> float:

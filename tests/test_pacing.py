@@ -83,9 +83,9 @@ def test_gaps_over_the_target_shrink_the_gain_and_full_calls_well_under_it_grow_
 
 
 def test_sessions_waiting_to_prefill_share_the_iteration_with_those_decoding() -> None:
-    pace = measured(40.0, 1.0)
-    alone = pace.prefill_budget(1.0, demand=Demand(decoding=2, prefilling=2))
-    assert not pace.boosted
+    pace = measured(40.0, 0.25)
+    alone = pace.prefill_budget(1.0, demand=Demand(decoding=2, prefilling=1))
+    assert alone == 160 and not pace.boosted
     wave = pace.prefill_budget(1.0, demand=Demand(decoding=2, prefilling=6))
     assert pace.boosted and wave == 3 * alone
     pace.observe(decode_rows=2, prefill_rows=wave, ms=160.0)  # a boosted gap: not what the target holds
@@ -105,12 +105,13 @@ demands = st.builds(Demand, st.integers(0, 16), st.integers(0, 16))
 targets = st.one_of(st.none(), st.floats(1.0, 500.0))
 
 
-@given(st.lists(st.tuples(calls, demands), max_size=80), st.floats(0.1, 8.0), targets)
+@given(st.lists(st.tuples(calls, demands), max_size=80), st.floats(0.1, 8.0), targets, demands)
 def test_prefill_is_never_held_back_twice_in_a_row(
-    history: list[tuple[tuple[int, int, float], Demand]], share: float, target: float | None
+    history: list[tuple[tuple[int, int, float], Demand]], share: float, target: float | None, last: Demand
 ) -> None:
     """A zero budget (decode-only, to measure) is answered by a decode-only call: the next is not
-    zero. Whatever happened before, the gain stays within its bounds."""
+    zero. Whatever happened before, the gain stays within its bounds, and a budget that is not
+    zero carries a smallest chunk for every prompt waiting."""
     pace = PrefillPace()
     for (decode_rows, prefill_rows, ms), demand in history:
         pace.prefill_budget(share, target, demand)
@@ -118,6 +119,8 @@ def test_prefill_is_never_held_back_twice_in_a_row(
         assert PrefillPace.MIN_GAIN <= pace.gain <= PrefillPace.MAX_GAIN
     budget = pace.prefill_budget(share, target, FOUR_DECODING)
     assert budget == 0 or budget >= PrefillPace.MIN_CHUNK
+    budget = pace.prefill_budget(share, target, last)
+    assert budget == 0 or budget >= PrefillPace.MIN_CHUNK * max(last.prefilling, 1)
     if budget == 0:
         pace.observe(decode_rows=4, prefill_rows=0, ms=30.0)  # the decode-only iteration it asked for
         assert pace.prefill_budget(share, target, FOUR_DECODING) >= PrefillPace.MIN_CHUNK
@@ -168,7 +171,7 @@ def test_a_wave_of_sessions_is_paced_by_the_cost_of_as_many_rows_as_decode() -> 
     prefill is sized from it, and the target is twice that step, not twice the 1-row one."""
     pace = PrefillPace(prefill_token_ms=2.0)
     pace.observe(decode_rows=1, prefill_rows=0, ms=16.0)
-    ten = Demand(decoding=10, prefilling=2)
+    ten = Demand(decoding=10, prefilling=1)
     assert pace.prefill_budget(1.0, demand=ten) > 0  # just measured: never asked twice in a row
     pace.observe(decode_rows=0, prefill_rows=64, ms=128.0)
     assert pace.prefill_budget(1.0, demand=ten) == 0  # no measured size within 2x of ten rows
@@ -178,6 +181,19 @@ def test_a_wave_of_sessions_is_paced_by_the_cost_of_as_many_rows_as_decode() -> 
     pace.observe(decode_rows=10, prefill_rows=35, ms=140.0)
     wave = Demand(decoding=20, prefilling=30)  # 20 rows were never measured, but more wait than decode:
     assert pace.prefill_budget(1.0, demand=wave) > 0 and pace.boosted  # they join first
+
+
+def test_every_prompt_waiting_moves_on_each_iteration() -> None:
+    """The target leaves room for 40 rows: one prompt waiting gets them; three waiting beside the
+    same decodes get a smallest chunk each, and that call, past the target for their sake, is no
+    evidence for the gain."""
+    pace = measured(40.0, 1.0)
+    assert pace.prefill_budget(1.0, demand=FOUR_DECODING) == 40 and not pace.boosted
+    three = pace.prefill_budget(1.0, demand=Demand(decoding=4, prefilling=3))
+    assert three == 3 * PrefillPace.MIN_CHUNK and pace.boosted
+    pace.observe(decode_rows=4, prefill_rows=three, ms=40.0 + three)
+    assert pace.gain == 1.0 and not pace.gaps
+    assert pace.prefill_budget(1.0, demand=FOUR_DECODING) == 40
 
 
 def test_one_gap_over_the_target_shrinks_the_gain_once_not_on_every_call_after_it() -> None:
@@ -194,9 +210,9 @@ def test_one_gap_over_the_target_shrinks_the_gain_once_not_on_every_call_after_i
 
 def test_a_micro_batched_engine_is_paced_by_its_calls_rows_and_shared_by_all_its_sessions() -> None:
     """Groups of 4 and 5 decode in calls of their own: the 4-row step sizes the budget (no 9-row one
-    is asked for), and 6 sessions waiting do not outnumber the 9 decoding."""
+    is asked for)."""
     pace = measured(40.0, 1.0)
     pace.observe(decode_rows=4, prefill_rows=32, ms=72.0)
-    groups = Demand(decoding=9, prefilling=6, largest_call=5)
+    groups = Demand(decoding=9, prefilling=1, largest_call=5)
     assert pace.prefill_budget(1.0, demand=groups) == 40 and not pace.boosted
-    assert pace.prefill_budget(1.0, demand=Demand(decoding=9, prefilling=6)) == 0  # 9 rows in one call: measure it
+    assert pace.prefill_budget(1.0, demand=Demand(decoding=9, prefilling=1)) == 0  # 9 rows in one call: measure it
