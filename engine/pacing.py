@@ -81,9 +81,10 @@ class PrefillPace:
     sized: bool = False  # the last budget came from the costs and the gain (not a probe, not 0)
 
     # Prefill rows beside decodes are never fewer than this for each prompt waiting (nor more
-    # than the prompts have left). Small chunks cost far more per token than large ones: measured on gemma-3-270m
-    # with 5 decodes, 6 prompt rows added 40 ms to a 34 ms step, while 117 rows cost 1.8 ms
-    # each; sized from the former, budgets would shrink to a few rows and prefill crawl.
+    # than the prompts have left). Small chunks cost far more per token than large ones:
+    # measured on gemma-3-270m with 5 decodes, 6 prompt rows added 40 ms to a 34 ms step,
+    # while 117 rows cost 1.8 ms each; sized from the former, budgets would shrink to a few
+    # rows and prefill crawl.
     MIN_CHUNK = 32
     REMEASURE_EVERY = 32  # a decode step's cost drifts with the context length
     WINDOW = 128  # recent gaps whose p99 the gain follows (one outlier in 128 is within p99)
