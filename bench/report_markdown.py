@@ -68,8 +68,8 @@ def _head(r: dict[str, Any], quick: bool) -> str:
     mix = " (a third short, medium and long, interleaved)" if mixed else ""
     return f"""# DGR-012: concurrency, saturation, corruption proof and peers
 
-Produced by one run of `{cmd}` (on a fresh machine: `python3 -m pip install -q rust-just && {cmd}`),
-which ran `{r["command"]}` from {r["started"]} to {r["finished"]}.
+Produced by `{r["command"]}`, from {r["started"]} to {r["finished"]}: one of the suites that
+`{cmd}` runs (on a fresh machine: `python3 -m pip install -q rust-just && {cmd}`).
 Machine: {r["machine"]}; llama-cpp-python {r["llama_cpp_python"]} (llama.cpp built from its sdist on this machine).
 {_cpu(r)}
 Model: `{r["model"]}`; 2-stage chain shards: {", ".join(f"`{s}`" for s in r["chain2_shards"])}.
