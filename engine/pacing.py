@@ -159,15 +159,15 @@ class PrefillPace:
         if decode_ms is None or stale or unknown:
             return 0
         self.target_ms = self.target(share, itl_target_ms, decode_ms)
+        floor = self.MIN_CHUNK * max(demand.prefilling, 1)  # every prompt waiting moves on
         if self.prefill_token_ms is None:
-            return self.MIN_CHUNK  # the first prefill beside decodes: its cost is not known yet
+            return floor  # the first prefill beside decodes: its cost is not known yet
         room = max(self.target_ms - decode_ms, 0.0) * self.gain
         if wave:
             room *= demand.prefilling / max(demand.decoding, 1)
             self.boosted = True
         self.sized = True
         rows = int(room / max(self.prefill_token_ms, 1e-6))
-        floor = self.MIN_CHUNK * max(demand.prefilling, 1)  # every prompt waiting moves on
         if floor > rows and demand.prefilling > 1:
             self.boosted = True  # past the target for the prompts' sake: no evidence for the gain
         return max(floor, rows)

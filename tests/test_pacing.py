@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from engine.pacing import Demand, PrefillPace
@@ -106,6 +106,7 @@ targets = st.one_of(st.none(), st.floats(1.0, 500.0))
 
 
 @given(st.lists(st.tuples(calls, demands), max_size=80), st.floats(0.1, 8.0), targets, demands)
+@example([((1, 0, 1.0), Demand(0, 0))], 1.0, None, Demand(0, 2))  # the probe, two prompts waiting
 def test_prefill_is_never_held_back_twice_in_a_row(
     history: list[tuple[tuple[int, int, float], Demand]], share: float, target: float | None, last: Demand
 ) -> None:
@@ -187,6 +188,9 @@ def test_every_prompt_waiting_moves_on_each_iteration() -> None:
     """The target leaves room for 40 rows: one prompt waiting gets them; three waiting beside the
     same decodes get a smallest chunk each, and that call, past the target for their sake, is no
     evidence for the gain."""
+    probe = PrefillPace()
+    probe.observe(decode_rows=4, prefill_rows=0, ms=40.0)  # a prompt row's cost not known yet: a probe
+    assert probe.prefill_budget(1.0, demand=Demand(decoding=4, prefilling=3)) == 3 * PrefillPace.MIN_CHUNK
     pace = measured(40.0, 1.0)
     assert pace.prefill_budget(1.0, demand=FOUR_DECODING) == 40 and not pace.boosted
     three = pace.prefill_budget(1.0, demand=Demand(decoding=4, prefilling=3))
