@@ -54,28 +54,33 @@ class DecodeCallCosts:
         if first not in self.ms or second not in self.ms:
             return True  # measure the halves once
         cheaper = self.ms[first] + self.ms[second] < self.MARGIN * self.ms[rows]
-        recheck = self.rechecks.setdefault(rows, Recheck(self.RECHECK_EVERY, cheaper))
-        return cheaper != recheck.due(cheaper, self.RECHECK_EVERY, self.MAX_RECHECK_EVERY)
+        recheck = self.rechecks.setdefault(rows, Recheck(cheaper, self.RECHECK_EVERY, self.MAX_RECHECK_EVERY))
+        return cheaper != recheck.due(cheaper)
 
 
 @dataclass(slots=True)
 class Recheck:
-    """When one size next takes the other choice: every `every` decisions, longer apart while
-    the choice stays the same."""
+    """When one size next takes the other choice: every `every` decisions, from `shortest`,
+    twice as long apart (up to `longest`) each time the choice stays the same."""
 
-    every: int
     choice: bool  # the measured choice at the last decision
+    shortest: int
+    longest: int
+    every: int = field(init=False)  # decisions from one recheck to the next
     since: int = 0  # decisions since the last recheck
 
-    def due(self, choice: bool, shortest: int, longest: int) -> bool:
+    def __post_init__(self) -> None:
+        self.every = self.shortest
+
+    def due(self, choice: bool) -> bool:
         """Count one decision whose measured choice is `choice`; whether it is a recheck."""
         if choice != self.choice:
-            self.every, self.since = shortest, 0  # the costs moved: look again soon
+            self.every, self.since = self.shortest, 0  # the costs moved: look again soon
         self.choice = choice
         self.since += 1
         if self.since < self.every:
             return False
-        self.every, self.since = min(2 * self.every, longest), 0
+        self.every, self.since = min(2 * self.every, self.longest), 0
         return True
 
 

@@ -182,10 +182,7 @@ class Engine:
         return None
 
     def steps_ended(self, owner: Owner, session: str) -> None:
-        """An in-process requester's word that the session's steps have ended for now (its
-        `generate` returned): the loop stops holding a batch for its next step. It goes
-        through the inbox, so a later run's first step comes after it, and takes no share of
-        the owner's quota; a full inbox drops it, which costs one linger."""
+        """A `StepsEnded` hint for the session, in order with its steps (`Inbox.hint`)."""
         self._inbox.hint(StepsEnded(owner, session))
 
     def cleanup_nowait(self, request: Cleanup, on_closed: ClosedListener | None = None) -> trio.Event:
