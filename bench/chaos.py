@@ -316,76 +316,107 @@ def attacker_command(role: str, targets_file: Path, plan: Plan, quota: int, seed
     return peer_command(role, targets_file, plan.attack_s, *options)
 
 
+@dataclass(slots=True)
+class Attack:
+    """What the attack phase saw: the valid sessions, the drivers' outcomes, the tail's cycles
+    and each attacked node's stats peaks."""
+
+    valid: dict[str, ValidRun] = field(default_factory=lambda: {SINGLE: ValidRun(), HEAD: ValidRun()})
+    restarts: Outcomes = field(default_factory=Outcomes)
+    malformed: Outcomes = field(default_factory=Outcomes)
+    cycles: list[dict[str, Any]] = field(default_factory=list)
+    peaks: dict[str, dict[str, int]] = field(default_factory=dict)
+    start: float = 0.0
+    end: float = 0.0
+
+
 async def attack(run: Run, t0: float) -> None:
-    plan, addresses, peers_dir = run.plan, run.addresses, run.work / "peers"
+    """Prober up, solo runs, then the hostile peers beside valid sessions; after one lease, what
+    every node holds."""
+    peers_dir = run.work / "peers"
     peers_dir.mkdir(parents=True, exist_ok=True)
-    nodes = await targets(run)
+    files = target_files(await targets(run), peers_dir)
     requests = await valid_requests(run)
-    prompt = list(requests[0].prompt[:8])
+    async with trio.open_nursery() as nursery:
+        probe_cmd = peer_command("probe", files["probe"], PROBE_MAX_S)
+        probe = await nursery.start(partial(run_peer, probe_cmd, peers_dir / "probe.json", peers_dir / "probe.log"))
+        await trio.sleep(run.plan.quiet_s)  # the prober's pings of idle nodes: the latency the attack is compared with
+        solo = await solo_runs(run, requests)
+        seen = await under_attack(run, files, requests, solo, t0)
+        probe.send_signal(signal.SIGTERM)
+    stats = await stats_after_lease(run, t0)
+    record_attack(run, seen, solo, stats)
+
+
+def target_files(nodes: dict[str, Target], peers_dir: Path) -> dict[str, Path]:
+    """Each hostile role's targets (and the prober's), as the file its peer process reads."""
     files: dict[str, Path] = {}
     for role, names in (*ROLE_TARGETS.items(), ("probe", ATTACKED)):
         files[role] = peers_dir / f"{role}.targets.json"
         files[role].write_text(json.dumps([asdict(nodes[n]) for n in names]))
-    async with trio.open_nursery() as nursery:
-        probe_cmd = peer_command("probe", files["probe"], PROBE_MAX_S)
-        probe = await nursery.start(partial(run_peer, probe_cmd, peers_dir / "probe.json", peers_dir / "probe.log"))
-        await trio.sleep(plan.quiet_s)  # the prober's pings of idle nodes: the latency the attack is compared with
-        say(f"solo runs: {len(requests)} requests, {plan.valid_max_new} tokens each, alone on {SINGLE} and {HEAD}")
-        solo = {
-            SINGLE: await solo_tokens(addresses[SINGLE], requests, "solo-single"),
-            HEAD: await solo_tokens(addresses[HEAD], requests, "solo-chain"),
-        }
-        for track in run.tracks.values():
-            track.before_mib = track.samples[-1][1] if track.samples else None
-        say(
-            f"attack: {plan.attack_s:g} s, {sum(q for _, q in plan.quotas)} messages from "
-            f"{len(plan.quotas)} hostile peers, valid sessions on {SINGLE} and {HEAD}"
+    return files
+
+
+async def solo_runs(run: Run, requests: list[Request]) -> dict[str, dict[int, list[int]]]:
+    """Each valid request alone on the single node and on the chain: the tokens the attack must not change."""
+    plan, addresses = run.plan, run.addresses
+    say(f"solo runs: {len(requests)} requests, {plan.valid_max_new} tokens each, alone on {SINGLE} and {HEAD}")
+    solo = {
+        SINGLE: await solo_tokens(addresses[SINGLE], requests, "solo-single"),
+        HEAD: await solo_tokens(addresses[HEAD], requests, "solo-chain"),
+    }
+    for track in run.tracks.values():
+        track.before_mib = track.samples[-1][1] if track.samples else None
+    return solo
+
+
+async def under_attack(
+    run: Run, files: dict[str, Path], requests: list[Request], solo: dict[str, dict[int, list[int]]], t0: float
+) -> Attack:
+    """The hostile peers, the valid sessions, the tail's restarts and the malformed next stage, for
+    `attack_s`; returns once every peer has sent its last and every valid session in flight ended."""
+    plan, addresses, peers_dir = run.plan, run.addresses, run.work / "peers"
+    prompt = list(requests[0].prompt[:8])
+    say(
+        f"attack: {plan.attack_s:g} s, {sum(q for _, q in plan.quotas)} messages from "
+        f"{len(plan.quotas)} hostile peers, valid sessions on {SINGLE} and {HEAD}"
+    )
+    seen = Attack(start=time.time())
+    stop, settled = trio.Event(), trio.Event()  # settled: the restarted tail's last cycle is over
+    async with trio.open_nursery() as attackers:
+        for seed, (role, quota) in enumerate(plan.quotas):
+            cmd = attacker_command(role, files[role], plan, quota, plan.seed + seed)
+            await attackers.start(partial(run_peer, cmd, peers_dir / f"{role}.json", peers_dir / f"{role}.log"))
+        for name in (SINGLE, HEAD):
+            load = (addresses[name], requests, solo[name], stop, plan.valid_concurrency, plan.valid_think_s)
+            attackers.start_soon(valid_load, *load, f"valid-{name}", seen.valid[name])
+        attackers.start_soon(restart_load, addresses[RESTART_HEAD], prompt, stop, settled, t0, seen.restarts)
+        attackers.start_soon(
+            malformed_load, addresses[MALFORMED_HEAD], prompt, stop, plan.malformed_workers, seen.malformed
         )
-        attack_start = time.time()
-        stop = trio.Event()
-        valid = {SINGLE: ValidRun(), HEAD: ValidRun()}
-        restarts, malformed = Outcomes(), Outcomes()
-        cycles: list[dict[str, Any]] = []
-        peaks: dict[str, dict[str, int]] = {}
-        async with trio.open_nursery() as attackers:
-            for seed, (role, quota) in enumerate(plan.quotas):
-                cmd = attacker_command(role, files[role], plan, quota, plan.seed + seed)
-                await attackers.start(partial(run_peer, cmd, peers_dir / f"{role}.json", peers_dir / f"{role}.log"))
-            for name in (SINGLE, HEAD):
-                attackers.start_soon(
-                    valid_load,
-                    addresses[name],
-                    requests,
-                    solo[name],
-                    stop,
-                    plan.valid_concurrency,
-                    plan.valid_think_s,
-                    f"valid-{name}",
-                    valid[name],
-                )
-            settled = trio.Event()  # the restarted tail's last cycle is over
-            attackers.start_soon(restart_load, addresses[RESTART_HEAD], prompt, stop, settled, t0, restarts)
-            attackers.start_soon(
-                malformed_load, addresses[MALFORMED_HEAD], prompt, stop, plan.malformed_workers, malformed
-            )
 
-            async def cycle_tail() -> None:
-                try:
-                    cycles.extend(await tail_cycles(run.tail, plan, trio.current_time() + plan.attack_s, t0))
-                finally:
-                    settled.set()
+        async def cycle_tail() -> None:
+            try:
+                seen.cycles.extend(await tail_cycles(run.tail, plan, trio.current_time() + plan.attack_s, t0))
+            finally:
+                settled.set()
 
-            attackers.start_soon(cycle_tail)
-            for name in ATTACKED:
-                attackers.start_soon(stats_peaks, addresses[name], stop, peaks.setdefault(name, {}))
-            await trio.sleep(plan.attack_s)
-            stop.set()
-            say("attack over: waiting for the peers' last replies and the valid sessions in flight")
-        attack_end = time.time()
-        probe.send_signal(signal.SIGTERM)
+        attackers.start_soon(cycle_tail)
+        for name in ATTACKED:
+            attackers.start_soon(stats_peaks, addresses[name], stop, seen.peaks.setdefault(name, {}))
+        await trio.sleep(plan.attack_s)
+        stop.set()
+        say("attack over: waiting for the peers' last replies and the valid sessions in flight")
+    seen.end = time.time()
+    return seen
+
+
+async def stats_after_lease(run: Run, t0: float) -> dict[str, dict[str, Any] | None]:
+    """Every client has left: one lease later, each node's `stats` (and its memory, sampled)."""
     left = trio.current_time()
-    say(f"every client has left; waiting one lease ({plan.lease_s:g} s) and {LEASE_MARGIN_S:g} s")
-    await trio.sleep_until(left + plan.lease_s + LEASE_MARGIN_S)
+    say(f"every client has left; waiting one lease ({run.plan.lease_s:g} s) and {LEASE_MARGIN_S:g} s")
+    await trio.sleep_until(left + run.plan.lease_s + LEASE_MARGIN_S)
+    addresses = run.addresses
     stats = {
         name: await node_stats(addresses[RESTART_TAIL if name == run.tail.name else name])
         for name in (SINGLE, HEAD, TAIL, RESTART_HEAD, run.tail.name, MALFORMED_HEAD)
@@ -394,8 +425,16 @@ async def attack(run: Run, t0: float) -> None:
     for name, track in run.tracks.items():
         if name in run.procs.running and track.sample(now) is not None:
             track.final_mib = track.samples[-1][1]
+    return stats
+
+
+def record_attack(
+    run: Run, seen: Attack, solo: dict[str, dict[int, list[int]]], stats: dict[str, dict[str, Any] | None]
+) -> None:
+    """The attack's part of the result: what each peer and the prober wrote, and what the nodes kept."""
+    peers_dir = run.work / "peers"
     peers = []
-    for role, _ in plan.quotas:
+    for role, _ in run.plan.quotas:
         got = read_peer(peers_dir / f"{role}.json")
         if got is None:
             run.bench_errors.append(f"hostile peer {role} wrote no result (log {shown(peers_dir / f'{role}.log')})")
@@ -405,15 +444,15 @@ async def attack(run: Run, t0: float) -> None:
     if probed is None:
         run.bench_errors.append("the prober wrote no result")
     run.result.update(
-        attack_window={"start": attack_start, "end": attack_end, "seconds": round(attack_end - attack_start, 1)},
+        attack_window={"start": seen.start, "end": seen.end, "seconds": round(seen.end - seen.start, 1)},
         peers=peers, solo={n: {str(k): v for k, v in s.items()} for n, s in solo.items()},
-        valid={n: v.report() for n, v in valid.items()},
-        tail_restart=restart_report(restarts, cycles), malformed_next=malformed.report(),
-        ping=chaos_report.ping_phases(probed["samples"] if probed else {}, (attack_start, attack_end)),
-        stats_peaks_under_attack=peaks,
+        valid={n: v.report() for n, v in seen.valid.items()},
+        tail_restart=restart_report(seen.restarts, seen.cycles), malformed_next=seen.malformed.report(),
+        ping=chaos_report.ping_phases(probed["samples"] if probed else {}, (seen.start, seen.end)),
+        stats_peaks_under_attack=seen.peaks,
         after_lease={n: None if s is None else held(s) for n, s in stats.items()},
         node_counters={n: {k: s.get(k) for k in (*COUNTERS, "downstream")} for n, s in stats.items() if s is not None},
-        drivers_sent={"tail_restart": restarts.sent, "malformed_next": malformed.sent},
+        drivers_sent={"tail_restart": seen.restarts.sent, "malformed_next": seen.malformed.sent},
     )  # fmt: skip
 
 

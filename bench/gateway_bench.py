@@ -171,7 +171,6 @@ def start(procs: Processes, model: Path, plan: Plan, quick: bool) -> tuple[dict[
         "--log-level",
         "warning",
     ]
-    cli = [sys.executable, "-m", "neuron_tai.cli"]
 
     def node(name: str, path: Path, port: int, threads: int, extra: tuple[str, ...] = ()) -> str:
         address = f"tcp://127.0.0.1:{port}"
@@ -180,23 +179,7 @@ def start(procs: Processes, model: Path, plan: Plan, quick: bool) -> tuple[dict[
         return address
 
     def gateway(name: str, address: str, port: int) -> str:
-        cmd = [
-            *cli,
-            "gateway",
-            "--node",
-            address,
-            "--port",
-            str(port),
-            "--model-name",
-            model.stem,
-            "--model",
-            str(model),
-            "--open-wait-ms",
-            "50000",
-            "--timeout",
-            "120",
-        ]
-        if not procs.start(name, cmd, node_ready):
+        if not procs.start(name, gateway_command(model, address, port), node_ready):
             raise RuntimeError(f"{name} did not start; see {shown(procs.log(name))}")
         return f"http://127.0.0.1:{port}/v1/completions"
 
@@ -206,6 +189,22 @@ def start(procs: Processes, model: Path, plan: Plan, quick: bool) -> tuple[dict[
     urls["gateway + 2-stage chain"] = gateway(
         "gateway-chain2", node("chain2-head", shards[0], p[3], 1, ("--next", tail)), p[4]
     )
+    server = start_llama_server(procs, model, plan, p[5], quick)
+    if server is not None:
+        urls[f"llama-server -np {SLOTS}"] = server
+    return urls, single
+
+
+def gateway_command(model: Path, node: str, port: int) -> list[str]:
+    return [
+        *[sys.executable, "-m", "neuron_tai.cli", "gateway"],
+        *["--node", node, "--port", str(port), "--model-name", model.stem, "--model", str(model)],
+        *["--open-wait-ms", "50000", "--timeout", "120"],
+    ]
+
+
+def start_llama_server(procs: Processes, model: Path, plan: Plan, port: int, quick: bool) -> str | None:
+    """llama-server's completions URL once it is healthy (built first unless `quick`); None without it."""
     binary = cached_binary()
     if binary is None and not quick:
         print("building llama-server from the vendored llama.cpp (once; about 6 minutes on 2 cores) ...", flush=True)
@@ -213,12 +212,11 @@ def start(procs: Processes, model: Path, plan: Plan, quick: bool) -> tuple[dict[
         print(note, flush=True)
     if binary is None:
         print("llama-server: not built yet, skipped (`python -m bench.gateway_bench` builds it)", flush=True)
-        return urls, single
-    port = p[5]
+        return None
     cmd = server_command(binary, model, port, SLOTS, plan.ctx_per_slot, 2, weight_placement(model))
     if procs.start("llama-server", cmd, lambda _log: healthy(port)):
-        urls[f"llama-server -np {SLOTS}"] = f"http://127.0.0.1:{port}/v1/completions"
-    return urls, single
+        return f"http://127.0.0.1:{port}/v1/completions"
+    return None
 
 
 async def workload(node: str, plan: Plan) -> list[Request]:

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -311,6 +311,98 @@ async def node_run(
         return traces, wall
 
 
+async def server_run(
+    port: int, requests: list[Request], c: int, _tag: str, armed: Callable[[], None]
+) -> tuple[list[Trace], float]:
+    armed()
+    loop = partial(server_loop, port, requests, c)
+    return await trio.to_thread.run_sync(loop, abandon_on_cancel=True)  # its threads fail once the server is gone
+
+
+async def bare_run(
+    bare: BareLoop, used: dict[str, dict[str, Any]], requests: list[Request], c: int, tag: str, _armed: object
+) -> tuple[list[Trace], float]:
+    before, preempted = dict(bare.counters), preemptions()
+    traces, wall = run_waves(bare, requests, c)
+    use = {k: v - before[k] for k, v in bare.counters.items()} | {"preemptions": preemptions() - preempted}
+    decode_s = use.pop("llama_decode_s")
+    used[tag] = decode_use(use, decode_s, wall)
+    return traces, wall
+
+
+async def python_run(
+    llm: PythonPeer, requests: list[Request], _c: int, _tag: str, _armed: object
+) -> tuple[list[Trace], float]:
+    return run_serial(llm.llm, requests)
+
+
+def sweep_runs(nodes: Nodes, bare: BareLoop, llm: PythonPeer | None, used: dict[str, dict[str, Any]]) -> dict[str, Run]:
+    """How each system present serves a share of the workload at a concurrency."""
+    runs: dict[str, Run] = {
+        SINGLE: partial(node_run, nodes.single, used),
+        CHAIN: partial(node_run, nodes.chain, used),
+        BARE: partial(bare_run, bare, used),
+    }
+    if nodes.single_fast:
+        runs[NODE_FAST] = partial(node_run, nodes.single_fast, used)
+    if nodes.server_port is not None:
+        runs[SERVER] = partial(server_run, nodes.server_port)
+    if llm is not None:
+        runs[PYTHON] = partial(python_run, llm)
+    return runs
+
+
+@dataclass(slots=True)
+class Sweeper:
+    """One sweep's systems, the processes they need, and the faults the bench injects on the way."""
+
+    plan: Plan
+    requests: list[Request]
+    sampler: StatsSampler
+    procs: Processes
+    faults: Faults
+    runs: dict[str, Run]
+    used: dict[str, dict[str, Any]]  # run tag -> the engine's llama_decode calls over that run
+    result: Sweep = field(default_factory=lambda: Sweep([], {}))
+
+    @property
+    def systems(self) -> list[str]:
+        return [s for s in (SINGLE, NODE_FAST, CHAIN, SERVER, BARE) if s in self.runs]
+
+    def crash(self, names: list[str]) -> None:
+        for name in names:
+            say(f"{ENV}: sending {name} {FAULT_SIGNAL.name}")
+            self.procs.signal(name, FAULT_SIGNAL)
+
+    async def at(self, c: int) -> None:
+        """Every system at concurrency `c`, interleaved over the repetitions."""
+        plan, systems = self.plan, self.systems
+        due = self.faults.due(c)
+        # a process no swept system needs crashes as the sweep reaches c
+        self.crash([name for name in due if not any(name in NEEDS[s] for s in systems)])
+        # `Llama` serves one request at a time whatever the concurrency: measured once, at the first.
+        sides = [*systems, PYTHON] if c == plan.concurrencies[0] and PYTHON in self.runs else systems
+        sides = [s for s in sides if s != CHAIN or not plan.chain_at or c in plan.chain_at]
+        for rep, system in interleaved(plan.reps, sides):
+            if not self.procs.alive(NEEDS[system]):
+                continue
+            hit = [n for n in due if n in NEEDS[system]]
+            due = [n for n in due if n not in hit]  # a system's process crashes once its run is under way
+            await self.measure(system, c, rep, hit)
+
+    async def measure(self, system: str, c: int, rep: int, crashing: list[str]) -> None:
+        self.sampler.phase = f"{system} c={c}"
+        tag = f"{system.replace(' ', '')}-c{c}-r{rep}"
+        share = first_per_client(self.requests, self.plan.per_client, c)
+        run = partial(self.runs[system], share, c, tag, partial(self.crash, crashing))
+        got = await while_alive(self.procs, NEEDS[system], f"{system} c={c}", run)
+        self.sampler.phase = "idle"
+        if got is None:
+            say(f"{system} c={c}: stopped, a process it needs crashed")
+        else:
+            record(self.result, system, c, rep, *got, self.used.pop(tag, None))
+
+
 async def sweep(
     plan: Plan,
     nodes: Nodes,
@@ -321,75 +413,13 @@ async def sweep(
     procs: Processes,
     faults: Faults,
 ) -> Sweep:
-    result = Sweep([], {})
-    used: dict[str, dict[str, Any]] = {}  # run tag -> the engine's llama_decode calls over that run
-
-    def crash(name: str) -> None:
-        say(f"{ENV}: sending {name} {FAULT_SIGNAL.name}")
-        procs.signal(name, FAULT_SIGNAL)
-
-    def crash_all(names: list[str]) -> None:
-        for name in names:
-            crash(name)
-
-    async def server_run(
-        requests: list[Request], c: int, _tag: str, armed: Callable[[], None]
-    ) -> tuple[list[Trace], float]:
-        assert nodes.server_port is not None
-        armed()
-        loop = partial(server_loop, nodes.server_port, requests, c)
-        return await trio.to_thread.run_sync(loop, abandon_on_cancel=True)  # its threads fail once the server is gone
-
-    async def bare_run(requests: list[Request], c: int, tag: str, _armed: object) -> tuple[list[Trace], float]:
-        before, preempted = dict(bare.counters), preemptions()
-        traces, wall = run_waves(bare, requests, c)
-        use = {k: v - before[k] for k, v in bare.counters.items()} | {"preemptions": preemptions() - preempted}
-        decode_s = use.pop("llama_decode_s")
-        used[tag] = decode_use(use, decode_s, wall)
-        return traces, wall
-
-    async def python_run(requests: list[Request], _c: int, _tag: str, _armed: object) -> tuple[list[Trace], float]:
-        assert llm is not None
-        return run_serial(llm.llm, requests)
-
-    runs: dict[str, Run] = {
-        SINGLE: partial(node_run, nodes.single, used),
-        CHAIN: partial(node_run, nodes.chain, used),
-        BARE: bare_run,
-    }
-    if nodes.single_fast:
-        runs[NODE_FAST] = partial(node_run, nodes.single_fast, used)
-    if nodes.server_port is not None:
-        runs[SERVER] = server_run
-    if llm is not None:
-        runs[PYTHON] = python_run
-    systems = [s for s in (SINGLE, NODE_FAST, CHAIN, SERVER, BARE) if s in runs]
-    await warm_up(runs, systems, requests[0], procs)
+    used: dict[str, dict[str, Any]] = {}
+    sweeper = Sweeper(plan, requests, sampler, procs, faults, sweep_runs(nodes, bare, llm, used), used)
+    await warm_up(sweeper.runs, sweeper.systems, requests[0], procs)
     used.clear()
     for c in plan.concurrencies:
-        due = faults.due(c)
-        for name in due:  # a process no swept system needs crashes as the sweep reaches c
-            if not any(name in NEEDS[s] for s in systems):
-                crash(name)
-        # `Llama` serves one request at a time whatever the concurrency: measured once, at the first.
-        sides = [*systems, PYTHON] if c == plan.concurrencies[0] and PYTHON in runs else systems
-        sides = [s for s in sides if s != CHAIN or not plan.chain_at or c in plan.chain_at]
-        for rep, system in interleaved(plan.reps, sides):
-            if not procs.alive(NEEDS[system]):
-                continue
-            sampler.phase = f"{system} c={c}"
-            tag = f"{system.replace(' ', '')}-c{c}-r{rep}"
-            hit = [n for n in due if n in NEEDS[system]]
-            due = [n for n in due if n not in hit]  # a system's process crashes once its run is under way
-            share = first_per_client(requests, plan.per_client, c)
-            run = partial(runs[system], share, c, tag, partial(crash_all, hit))
-            got = await while_alive(procs, NEEDS[system], f"{system} c={c}", run)
-            sampler.phase = "idle"
-            if got is None:
-                say(f"{system} c={c}: stopped, a process it needs crashed")
-            else:
-                record(result, system, c, rep, *got, used.pop(tag, None))
-    return result
+        await sweeper.at(c)
+    return sweeper.result
 
 
 async def warm_up(runs: dict[str, Run], systems: list[str], request: Request, procs: Processes) -> None:
@@ -454,29 +484,47 @@ def plan_for(base: Plan, workload: str, model: Path, out: Path | None, *, named:
     return plan
 
 
+def plan_requests(plan: Plan, bare: BareLoop) -> list[Request]:
+    """The plan's workload, tokenized by the nodes' tokenizer (the same llama.cpp, the same model)."""
+    corpus = bare.model.tokenize(CORPUS, add_special=False)
+    start = bare.model.tokenize("", add_special=True)
+    requests = make_requests(
+        corpus,
+        plan.requests,
+        plan.max_new,
+        seed=plan.seed,
+        max_prompt=plan.max_prompt,
+        bos=start[0] if start else None,
+        buckets=WORKLOADS[plan.workload].buckets,
+    )
+    lengths = [len(r.prompt) for r in requests]
+    say(
+        f"workload: {len(requests)} requests, prompts {min(lengths)}-{max(lengths)} tokens, "
+        f"{plan.max_new} new tokens each, seed {plan.seed}"
+    )
+    return requests
+
+
+def systems_measured(kernels: dict[str, dict[str, Any]], procs: Processes) -> dict[str, dict[str, Any]]:
+    """Each system measured (or crashed): its processes, kernel path, weight buffers and crashes."""
+    return {
+        s: {
+            "processes": list(NEEDS[s]),
+            **kernels.get(s, {"kernel_path": None, "weight_buffers": None}),
+            "crashed": [n for n in NEEDS[s] if n in procs.crashed],
+        }
+        for s in ALL
+        if s in kernels or any(n in procs.crashed for n in NEEDS[s])
+    }
+
+
 async def run(plan: Plan, model: Path, nodes: Nodes, procs: Processes, faults: Faults) -> dict[str, Any]:
     bare = BareLoop(
         model, ContextConfig(n_seq_max=16, n_ctx=16 * plan.ctx_per_slot, n_batch=512, n_ubatch=512, n_threads=2)
     )
     llm: PythonPeer | None = None
     try:
-        corpus = bare.model.tokenize(CORPUS, add_special=False)  # the nodes' tokenizer: the same llama.cpp, model
-        start = bare.model.tokenize("", add_special=True)
-        bos = start[0] if start else None
-        requests = make_requests(
-            corpus,
-            plan.requests,
-            plan.max_new,
-            seed=plan.seed,
-            max_prompt=plan.max_prompt,
-            bos=bos,
-            buckets=WORKLOADS[plan.workload].buckets,
-        )
-        lengths = [len(r.prompt) for r in requests]
-        say(
-            f"workload: {len(requests)} requests, prompts {min(lengths)}-{max(lengths)} tokens, "
-            f"{plan.max_new} new tokens each, seed {plan.seed}"
-        )
+        requests = plan_requests(plan, bare)
         llm = open_llama(model, plan.ctx_per_slot, 2) if plan.variants else None
         kernels = await kernel_paths(procs, nodes, bare, llm)
         watched = {"single": nodes.single, "chain2-head": nodes.chain, "chain2-tail": nodes.chain_tail}
@@ -495,18 +543,9 @@ async def run(plan: Plan, model: Path, nodes: Nodes, procs: Processes, faults: F
             llm.close()
         bare.close()
     invariant, admission = (await proofs(plan, nodes, procs, requests)) if plan.proofs else (None, None)
-    systems = {
-        s: {
-            "processes": list(NEEDS[s]),
-            **kernels.get(s, {"kernel_path": None, "weight_buffers": None}),
-            "crashed": [n for n in NEEDS[s] if n in procs.crashed],
-        }
-        for s in ALL
-        if s in kernels or any(n in procs.crashed for n in NEEDS[s])
-    }
     return {
         "workload": [{"rid": r.rid, "prompt_tokens": len(r.prompt), "max_new": r.max_new} for r in requests],
-        "systems": systems,
+        "systems": systems_measured(kernels, procs),
         "runs": result.runs,
         "telemetry": sampler.samples,
         "default_mode": default,
