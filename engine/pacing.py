@@ -22,14 +22,17 @@ prefill. The policy (README, "How a node schedules"):
   few iterations instead of trickling in one prompt per many steps (a decode call costs
   nearly the same with 2 rows as with 8). Such boosted calls stretch the gaps of the few
   sessions decoding past the target: they are left out of the p99 the gain follows.
-- **Every prompt waiting moves.** An iteration's prefill is never fewer than `MIN_CHUNK`
-  rows for each session waiting to prefill (the scheduler's `max_prefill_tokens` caps it).
-  Held to the target alone, a burst of prompts beside a few sessions decoding would trickle
-  in one smallest chunk an iteration while the decoders finish: each extra call costs a
-  pass over all the weights, and the prompts' first tokens wait for the decoders' last.
-  With one prompt waiting this changes nothing (the promise above); with k, the gaps of
-  the sessions decoding may stretch to k smallest chunks, and such calls are left out of
-  the p99 the gain follows.
+- **Prefill grows with the prompts waiting.** An iteration's prefill is never fewer than
+  `MIN_CHUNK` rows for each session waiting to prefill (the scheduler's `max_prefill_tokens`
+  caps it, and hands the rows out in its round robin: a long prompt at the front may take
+  them all, and the next iteration starts with the next prompt). Held to the target alone,
+  a burst of prompts beside a few sessions decoding would trickle in one smallest chunk an
+  iteration while the decoders finish: each extra call costs a pass over all the weights,
+  and the prompts' first tokens wait for the decoders' last. With one prompt waiting this
+  changes nothing (the promise above); with k, the gaps of the sessions decoding may
+  stretch to k smallest chunks, and a call that carried more prefill rows than the target
+  allows is left out of the p99 the gain follows (a few rows of draft verification, which
+  wait in the same round robin, are not).
 - A decode step's cost is only measured by an iteration without prefill; under steady
   traffic those stop happening on their own (some prompt is always waiting), so one is
   asked for when the estimate is missing or stale, or no measured size is within a factor
@@ -76,7 +79,12 @@ class PrefillPace:
     quiet: deque[float] = field(default_factory=lambda: deque(maxlen=PrefillPace.QUIET_WINDOW))  # / their cost
     jitter: float = 1.0  # the quiet calls' QUIET_QUANTILE: an undisturbed gap over its size's cost
     target_ms: float | None = None  # the target the last budget was sized for
-    boosted: bool = False  # the last budget was raised for sessions waiting to prefill
+    # This iteration's gaps are no evidence for the gain: its budget was raised for a wave, or a
+    # call carried more prefill than the target allows (`held_to`).
+    boosted: bool = False
+    # With several prompts waiting, the prefill rows the target allows: a call that carries
+    # more was pushed past the target by the floor (None: one prompt, the floor is the promise).
+    held_to: int | None = None
     budget_rows: int = 0  # the last budget: a call that carried fewer rows says nothing of more
     sized: bool = False  # the last budget came from the costs and the gain (not a probe, not 0)
 
@@ -99,6 +107,7 @@ class PrefillPace:
 
     def observe(self, decode_rows: int, prefill_rows: int, ms: float) -> None:
         """Record one call: `ms` for `decode_rows` single-token rows and `prefill_rows` prompt rows."""
+        self.boosted = self.boosted or (self.held_to is not None and prefill_rows > self.held_to)
         if decode_rows and not self.boosted and self.target_ms:
             self.gaps.append(ms / self.target_ms)
         if prefill_rows == 0:
@@ -151,6 +160,7 @@ class PrefillPace:
 
     def _budget(self, share: float, itl_target_ms: float | None, demand: Demand) -> int:
         self.boosted = self.sized = False
+        self.held_to = None
         rows = max(demand.call_rows, 1)
         stale = self.since_decode_sample >= self.REMEASURE_EVERY
         wave = demand.prefilling > demand.decoding  # boosted, not held to the target: join first
@@ -159,17 +169,18 @@ class PrefillPace:
         if decode_ms is None or stale or unknown:
             return 0
         self.target_ms = self.target(share, itl_target_ms, decode_ms)
-        floor = self.MIN_CHUNK * max(demand.prefilling, 1)  # every prompt waiting moves on
-        if self.prefill_token_ms is None:
-            return floor  # the first prefill beside decodes: its cost is not known yet
+        floor = self.MIN_CHUNK * max(demand.prefilling, 1)  # prefill grows with the prompts waiting
+        several = demand.prefilling > 1
+        if self.prefill_token_ms is None:  # the first prefill beside decodes: its cost is not known yet
+            self.held_to = self.MIN_CHUNK if several else None  # more is for the prompts' sake
+            return floor
         room = max(self.target_ms - decode_ms, 0.0) * self.gain
         if wave:
             room *= demand.prefilling / max(demand.decoding, 1)
             self.boosted = True
         self.sized = True
         rows = int(room / max(self.prefill_token_ms, 1e-6))
-        if floor > rows and demand.prefilling > 1:
-            self.boosted = True  # past the target for the prompts' sake: no evidence for the gain
+        self.held_to = rows if several else None  # more is for the prompts' sake: no evidence for the gain
         return max(floor, rows)
 
 

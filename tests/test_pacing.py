@@ -112,16 +112,16 @@ def test_prefill_is_never_held_back_twice_in_a_row(
 ) -> None:
     """A zero budget (decode-only, to measure) is answered by a decode-only call: the next is not
     zero. Whatever happened before, the gain stays within its bounds, and a budget that is not
-    zero carries a smallest chunk for every prompt waiting."""
+    zero carries a smallest chunk for each prompt waiting."""
     pace = PrefillPace()
     for (decode_rows, prefill_rows, ms), demand in history:
         pace.prefill_budget(share, target, demand)
         pace.observe(decode_rows, prefill_rows, ms)
         assert PrefillPace.MIN_GAIN <= pace.gain <= PrefillPace.MAX_GAIN
+    after_last = copy.deepcopy(pace).prefill_budget(share, target, last)
+    assert after_last == 0 or after_last >= PrefillPace.MIN_CHUNK * max(last.prefilling, 1)
     budget = pace.prefill_budget(share, target, FOUR_DECODING)
     assert budget == 0 or budget >= PrefillPace.MIN_CHUNK
-    budget = pace.prefill_budget(share, target, last)
-    assert budget == 0 or budget >= PrefillPace.MIN_CHUNK * max(last.prefilling, 1)
     if budget == 0:
         pace.observe(decode_rows=4, prefill_rows=0, ms=30.0)  # the decode-only iteration it asked for
         assert pace.prefill_budget(share, target, FOUR_DECODING) >= PrefillPace.MIN_CHUNK
@@ -184,20 +184,33 @@ def test_a_wave_of_sessions_is_paced_by_the_cost_of_as_many_rows_as_decode() -> 
     assert pace.prefill_budget(1.0, demand=wave) > 0 and pace.boosted  # they join first
 
 
-def test_every_prompt_waiting_moves_on_each_iteration() -> None:
+def test_the_prefill_floor_grows_with_the_prompts_waiting() -> None:
     """The target leaves room for 40 rows: one prompt waiting gets them; three waiting beside the
-    same decodes get a smallest chunk each, and that call, past the target for their sake, is no
-    evidence for the gain."""
-    probe = PrefillPace()
-    probe.observe(decode_rows=4, prefill_rows=0, ms=40.0)  # a prompt row's cost not known yet: a probe
-    assert probe.prefill_budget(1.0, demand=Demand(decoding=4, prefilling=3)) == 3 * PrefillPace.MIN_CHUNK
+    same decodes get a smallest chunk each, and a call that carried them, past the target for
+    their sake, is no evidence for the gain. One that carried no more than the target allows
+    (a few rows of draft verification wait in the same round robin) is."""
     pace = measured(40.0, 1.0)
     assert pace.prefill_budget(1.0, demand=FOUR_DECODING) == 40 and not pace.boosted
-    three = pace.prefill_budget(1.0, demand=Demand(decoding=4, prefilling=3))
-    assert three == 3 * PrefillPace.MIN_CHUNK and pace.boosted
-    pace.observe(decode_rows=4, prefill_rows=three, ms=40.0 + three)
-    assert pace.gain == 1.0 and not pace.gaps
+    three = Demand(decoding=4, prefilling=3)
+    assert pace.prefill_budget(1.0, demand=three) == 3 * PrefillPace.MIN_CHUNK
+    pace.observe(decode_rows=4, prefill_rows=3 * PrefillPace.MIN_CHUNK, ms=40.0 + 3 * PrefillPace.MIN_CHUNK)
+    assert pace.boosted and pace.gain == 1.0 and not pace.gaps
     assert pace.prefill_budget(1.0, demand=FOUR_DECODING) == 40
+    pace.prefill_budget(1.0, demand=three)
+    pace.observe(decode_rows=4, prefill_rows=15, ms=55.0)  # three verifications of 5 rows
+    assert not pace.boosted and list(pace.gaps) == [55.0 / 80.0]
+
+
+def test_a_first_prefill_carries_a_smallest_chunk_for_each_prompt_and_only_one_counts() -> None:
+    """A prompt row's cost is not known yet: the probe carries the floor, and what it carries past
+    one prompt's chunk is for the prompts' sake, no gap the gain follows."""
+    for prompts, counted in ((1, 1), (3, 0)):
+        probe = PrefillPace()
+        probe.observe(decode_rows=4, prefill_rows=0, ms=40.0)
+        rows = probe.prefill_budget(1.0, demand=Demand(decoding=4, prefilling=prompts))
+        assert rows == prompts * PrefillPace.MIN_CHUNK
+        probe.observe(decode_rows=4, prefill_rows=rows, ms=40.0 + rows)
+        assert len(probe.gaps) == counted
 
 
 def test_one_gap_over_the_target_shrinks_the_gain_once_not_on_every_call_after_it() -> None:
@@ -214,9 +227,13 @@ def test_one_gap_over_the_target_shrinks_the_gain_once_not_on_every_call_after_i
 
 def test_a_micro_batched_engine_is_paced_by_its_calls_rows_and_shared_by_all_its_sessions() -> None:
     """Groups of 4 and 5 decode in calls of their own: the 4-row step sizes the budget (no 9-row one
-    is asked for)."""
+    is asked for), and 6 sessions waiting to prefill are no wave beside 9 decoding, though more
+    than the 5 rows of the largest call."""
     pace = measured(40.0, 1.0)
     pace.observe(decode_rows=4, prefill_rows=32, ms=72.0)
     groups = Demand(decoding=9, prefilling=1, largest_call=5)
     assert pace.prefill_budget(1.0, demand=groups) == 40 and not pace.boosted
+    cheap = measured(40.0, 0.1)  # room for 400 rows: above 6 smallest chunks
+    six = cheap.prefill_budget(1.0, demand=Demand(decoding=9, prefilling=6, largest_call=5))
+    assert six == 400 and not cheap.boosted
     assert pace.prefill_budget(1.0, demand=Demand(decoding=9, prefilling=1)) == 0  # 9 rows in one call: measure it
