@@ -182,8 +182,11 @@ class Engine:
         return None
 
     def steps_ended(self, owner: Owner, session: str) -> None:
-        """A `StepsEnded` hint for the session, in order with its steps (`Inbox.hint`)."""
-        self._inbox.hint(StepsEnded(owner, session))
+        """A `StepsEnded` hint for the session, in order with its steps (`Inbox.hint`), if the
+        engine expects it back: a run that had no step answered leaves nothing to forget, and
+        puts nothing in the inbox every peer shares."""
+        if self.sessions.expects((owner, session)):
+            self._inbox.hint(StepsEnded(owner, session))
 
     def cleanup_nowait(self, request: Cleanup, on_closed: ClosedListener | None = None) -> trio.Event:
         """Queue a cleanup; never refused, also while draining. The event is set once it is done

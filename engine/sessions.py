@@ -118,6 +118,10 @@ class Sessions:
         if first and decode and groups > 1:
             self.answered_at[key] = now_ms()
 
+    def expects(self, key: SessionKey) -> bool:
+        """Whether the session's next step is expected (a step was answered, none came since)."""
+        return key in self.coming_back
+
     def steps_ended(self, key: SessionKey) -> None:
         """The session's requester sends no further step for now: nobody waits for one."""
         self.coming_back.discard(key)

@@ -186,6 +186,18 @@ async def test_an_ended_run_is_not_waited_for(tiny_model: Path) -> None:
         assert again.tokens == (await generate(c, "t", 0, IDS, 3, ignore_eog=True)).tokens
 
 
+async def test_runs_that_never_stepped_put_no_hint_in_the_shared_inbox(tiny_model: Path) -> None:
+    """Any peer can end runs that had no step answered (`generate`, then `cancel`): nothing waits
+    for those sessions, so they hint nothing and cannot fill the inbox that every peer's steps
+    need while the engine computes."""
+    async with node_and_client(tiny_model) as (node, _c), generating(node, ignore_eog=True) as (_peer, release):
+        inbox = node.engine._inbox  # the engine is inside llama_decode: nothing takes from it
+        for i in range(inbox.size + 1):
+            node.engine.steps_ended(b"a peer", f"never stepped {i}")
+        assert inbox.receiver.statistics().current_buffer_used == 0
+        release.set()
+
+
 # -- cancel, close, busy -------------------------------------------------------------------------
 
 
