@@ -13,8 +13,9 @@ from neuron_tai.shard import stage_bounds, write_stages
 from testkit.models import TinySpec, write_tiny_model
 
 # Property tests draw the same examples on every run (seeded from each test), so a run's
-# verdict depends on the code alone, never on the run's luck or an example database.
-settings.register_profile("deterministic", derandomize=True, database=None)
+# verdict depends on the code alone, never on the run's luck, an example database or how
+# loaded the machine is (no deadline per example).
+settings.register_profile("deterministic", derandomize=True, database=None, deadline=None)
 settings.load_profile("deterministic")
 
 TINY_GEMMA = TinySpec(arch="gemma3", n_layer=6, sliding_window=4, seed=99)
