@@ -38,7 +38,7 @@ from engine.executor import Executor, IterationRecord
 from engine.gguf_facts import ModelFacts, read_facts
 from engine.inbox import Inbox, Queued
 from engine.inbox_wait import take_while
-from engine.kernels import INVARIANT_PAD_ROWS
+from engine.kernels import CALL_ROW_MULTIPLE, INVARIANT_PAD_ROWS
 from engine.linger import SETTLE_GAP_S, linger_limit_s, lingering
 from engine.messages import (
     Cleanup,
@@ -109,7 +109,8 @@ class Engine:
         self.backend = backend
         self.info = backend.info
         self.pad_rows = config.pad_rows or INVARIANT_PAD_ROWS[backend.model.kernel_path.value]
-        self.scheduler: EngineScheduler = Scheduler(scheduler_config(config, cells, self.pad_rows))
+        row_multiple = CALL_ROW_MULTIPLE[backend.model.kernel_path.value]
+        self.scheduler: EngineScheduler = Scheduler(scheduler_config(config, cells, self.pad_rows, row_multiple))
         self.queued_per_peer = config.queued_per_peer()
         if not 1 <= self.queued_per_peer <= config.inbox_size:
             raise ValueError(
@@ -440,7 +441,7 @@ class Engine:
         return wire_stats(self.statistics())
 
 
-def scheduler_config(config: EngineConfig, cells: int, pad_rows: int) -> SchedulerConfig:
+def scheduler_config(config: EngineConfig, cells: int, pad_rows: int, row_multiple: int = 1) -> SchedulerConfig:
     """The scheduler's limits from the engine's configuration and the KV cells llama.cpp has."""
     pad_reserve = pad_rows if config.batch_invariant else 0
     # Prefill chunks, padded to a multiple of pad_rows, stay below the flash-attention tile.
@@ -461,6 +462,7 @@ def scheduler_config(config: EngineConfig, cells: int, pad_rows: int) -> Schedul
         max_sessions_per_owner=config.max_sessions_per_peer,
         max_waiting_per_owner=config.max_waiting_per_peer,
         compact_held_cells=_compact_held_cells(config, cells - pad_reserve),
+        row_multiple=row_multiple,
     )
 
 

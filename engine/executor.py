@@ -62,7 +62,7 @@ class Executor:
         self.split_on_no_slot = split_on_no_slot
         self.record_iterations = record_iterations
         self.iterations: deque[IterationRecord] = deque(maxlen=100_000)  # when record_iterations
-        self.pace = PrefillPace()
+        self.pace = PrefillPace(row_multiple=self.scheduler.config.row_multiple)
         self.call_costs = DecodeCallCosts()
         self.halves = self.call_costs.halves if halve_decodes else None  # what Scheduler.plan asks
         self._halved_so_far = (0, 0.0)  # decode rows and ms of the halved iteration under way

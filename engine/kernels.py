@@ -61,6 +61,13 @@ KERNEL_CHOICES = ("auto", *(p.value for p in KernelPath))
 # chosen by default and not measured: 8 as for the others.
 INVARIANT_PAD_ROWS = {"repack": 8, "plain": 8, "amx": 8}
 
+# A call whose prefill the budget cuts short ends at a multiple of this many rows, per kernel
+# path (engine/scheduler.py): repacked matrices take rows in groups of 4 and run each leftover
+# row as a matrix-vector product of its own. On the Llama-3.2-1B shape, repack, 2 threads, a
+# 3-row decode call took 121 ms and a 4-row one 106; 15 rows 296 ms and 16 rows 258. The
+# plain and AMX paths are not measured for it: 1, no alignment.
+CALL_ROW_MULTIPLE = {"repack": 4, "plain": 1, "amx": 1}
+
 
 class KernelChoiceError(ValueError):
     """The requested path is not available in this llama.cpp library."""

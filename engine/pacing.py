@@ -87,6 +87,7 @@ class PrefillPace:
     held_to: int | None = None
     budget_rows: int = 0  # the last budget: a call that carried fewer rows says nothing of more
     sized: bool = False  # the last budget came from the costs and the gain (not a probe, not 0)
+    row_multiple: int = 1  # the scheduler leaves fewer than this many rows of a budget to align a call
 
     # Prefill rows beside decodes are never fewer than this for each prompt waiting (nor more
     # than the prompts have left). Small chunks cost far more per token than large ones:
@@ -120,7 +121,7 @@ class PrefillPace:
             return  # the prefill's share of this call's time is unknown
         self.prefill_token_ms = _blend(self.prefill_token_ms, max(ms - base, 0.0) / prefill_rows)
         if decode_rows and self.sized and not self.boosted and self.target_ms:
-            self._adapt(over=ms > self.target_ms, filled=prefill_rows >= self.budget_rows)
+            self._adapt(over=ms > self.target_ms, filled=prefill_rows + self.row_multiple > self.budget_rows)
 
     def _observe_decode(self, rows: int, ms: float) -> None:
         before = self.steps.observe(rows, ms)

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Callable, Hashable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Generic, TypeVar
 
 from engine.call_split import split_at
@@ -79,6 +79,9 @@ class SchedulerConfig:
     max_sessions_per_owner: int | None = None  # open sessions; None: max_sessions
     max_waiting_per_owner: int | None = None  # waiting opens; None: max_waiting_opens
     compact_held_cells: int | None = None  # held cells that ask for a compaction with no open waiting
+    # A call whose prefill the budget cuts short ends at a multiple of this many rows: llama.cpp's
+    # repacked weight matrices take rows four at a time and run each leftover row alone.
+    row_multiple: int = 1
 
     @property
     def sessions_per_owner(self) -> int:
@@ -224,6 +227,20 @@ def _by_group(sessions: dict[SessionKey, Session[Any]], chunks: list[Chunk]) -> 
     for chunk in chunks:  # decodes (in arrival order) first: a group's first chunk is its oldest decode
         groups.setdefault(sessions[chunk.key].group, []).append(chunk)
     return [tuple(g) for g in groups.values()]
+
+
+def _rows_aligned(sessions: dict[SessionKey, Session[Any]], chunks: list[Chunk], multiple: int) -> list[Chunk]:
+    """Chunks whose last prefill chunk, when it stops short of its step's end anyway (the budget
+    ended it, not the prompt), gives its call's leftover rows past a multiple of `multiple` to the
+    next iteration: the call runs as many row blocks, without rows that cost a block each."""
+    last = chunks[-1] if chunks else None
+    if multiple <= 1 or last is None or last.completes:
+        return chunks
+    group = sessions[last.key].group
+    cut = sum(c.count for c in chunks if sessions[c.key].group == group) % multiple
+    if cut == 0 or last.count <= cut:
+        return chunks
+    return [*chunks[:-1], replace(last, count=last.count - cut)]
 
 
 def _prefill_chunks(
@@ -570,7 +587,7 @@ class Scheduler(Generic[StepPayload, OpenPayload]):
             if decode_chunks and prefill_budget is not None:
                 budget = min(budget, max(0, prefill_budget))
             chunks = decode_chunks + _prefill_chunks(self.sessions, self._rr, budget, None)
-            groups = _by_group(self.sessions, chunks)
+            groups = _by_group(self.sessions, _rows_aligned(self.sessions, chunks, cfg.row_multiple))
             if halves is not None and cfg.may_halve and len(chunks) == len(decode_chunks):
                 calls = _halved(groups, halves)
                 halved = len(calls) > len(groups)

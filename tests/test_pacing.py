@@ -213,6 +213,17 @@ def test_a_first_prefill_carries_a_smallest_chunk_for_each_prompt_and_only_one_c
         assert len(probe.gaps) == counted
 
 
+def test_a_call_a_few_rows_short_of_its_budget_for_row_blocks_still_used_it() -> None:
+    """The scheduler may leave fewer than `row_multiple` rows of a budget to the next call (row
+    blocks): such a call used its budget, and a gap well under the target grows the gain."""
+    for multiple, grown in ((1, False), (4, True)):
+        pace = PrefillPace(prefill_token_ms=1.0, row_multiple=multiple)
+        pace.observe(decode_rows=4, prefill_rows=0, ms=40.0)
+        budget = pace.prefill_budget(1.0, demand=FOUR_DECODING)
+        pace.observe(decode_rows=4, prefill_rows=budget - 3, ms=60.0)
+        assert (pace.gain > 1.0) is grown
+
+
 def test_one_gap_over_the_target_shrinks_the_gain_once_not_on_every_call_after_it() -> None:
     """A stall stays in the p99's window for many calls; only gaps over the target shrink the gain."""
     pace = measured(40.0, 1.0)

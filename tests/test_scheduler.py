@@ -489,6 +489,71 @@ def test_halves_leave_iterations_with_prefill_and_invariant_mode_whole() -> None
     assert plan is not None and not plan.halved and [call.rows for call in plan.calls] == [4]
 
 
+def test_a_call_the_budget_cuts_short_ends_at_a_row_multiple_and_a_prompt_that_fits_is_not_cut() -> None:
+    """Three decodes and a long prompt: 3 + 8 rows would leave 3 rows past a block of 4, each run
+    alone by repacked kernels; the prompt gives them to the next iteration. A prompt that ends in
+    the call keeps its rows (trimming it would only delay its first token)."""
+    s = Scheduler[None, None](replace(CFG, row_multiple=4))
+    for i, key in enumerate("abcde"[:4]):
+        opened(s, key, seq=i)
+    for key in "abc":
+        s.submit(key, 0, 1, 4, 0.0, None)
+    s.submit("d", 0, 20, 80, 0.0, None)
+    plan = s.plan()
+    assert plan is not None and [(c.key, c.count) for c in plan.chunks] == [("a", 1), ("b", 1), ("c", 1), ("d", 5)]
+    run(s, plan)
+    for key in "abc":
+        s.submit(key, 1, 1, 4, 0.0, None)
+    plan = s.plan()
+    assert plan is not None and [(c.key, c.count) for c in plan.chunks] == [("a", 1), ("b", 1), ("c", 1), ("d", 5)]
+    run(s, plan)
+    for key in "abc":
+        s.submit(key, 2, 1, 4, 0.0, None)
+    plan = s.plan()  # 10 rows of d's prompt are left: 3 + 8 again, 5 of them
+    assert plan is not None and list(plan.chunks)[-1].count == 5
+    run(s, plan)
+    for key in "abc":
+        s.submit(key, 3, 1, 4, 0.0, None)
+    plan = s.plan()  # the last 5 rows end the prompt: 8 rows, not cut to 4
+    last = list(plan.chunks)[-1] if plan is not None else None
+    assert last is not None and last.count == 5 and last.completes
+
+
+@given(
+    decodes=st.integers(0, 5),
+    prompts=st.lists(st.integers(2, 40), min_size=1, max_size=3),
+    budget=st.one_of(st.none(), st.integers(0, 24)),
+    multiple=st.sampled_from([2, 4, 8]),
+)
+def test_row_alignment_only_moves_a_few_rows_of_an_unfinished_prompt_to_the_next_call(
+    decodes: int, prompts: list[int], budget: int | None, multiple: int
+) -> None:
+    """Against the same scheduler without alignment: the same sessions run, the same steps complete,
+    fewer than `multiple` prefill rows wait for the next call, and a call whose last prompt chunk
+    stops short of its step's end holds a multiple of `multiple` rows unless that chunk is smaller
+    than what would be cut."""
+    cfg = replace(CFG, max_sessions=8, kv_cells=1024, n_batch=64, max_prefill_tokens=24)
+    plans = []
+    for m in (1, multiple):
+        s = Scheduler[None, None](replace(cfg, row_multiple=m))
+        for i in range(decodes + len(prompts)):
+            opened(s, f"s{i}", max_tokens=48, seq=i)
+        for i in range(decodes):
+            s.submit(f"s{i}", 0, 1, 4, 0.0, None)
+        for j, n in enumerate(prompts):
+            s.submit(f"s{decodes + j}", 0, n, 4 * n, 0.0, None)
+        plans.append(s.plan(prefill_budget=budget))
+    plain, aligned = plans
+    assert plain is not None and aligned is not None
+    assert [(c.key, c.completes) for c in plain.chunks] == [(c.key, c.completes) for c in aligned.chunks]
+    moved = plain.calls[0].rows - aligned.calls[0].rows
+    last, cut = list(plain.chunks)[-1], plain.calls[0].rows % multiple
+    if not last.completes and last.count > cut:
+        assert aligned.calls[0].rows % multiple == 0 and moved == cut < multiple
+    else:
+        assert moved == 0
+
+
 OWNERS = ("a", "b", "c")
 
 
