@@ -62,11 +62,12 @@ KERNEL_CHOICES = ("auto", *(p.value for p in KernelPath))
 INVARIANT_PAD_ROWS = {"repack": 8, "plain": 8, "amx": 8}
 
 # A call whose prefill the budget cuts short ends at a multiple of this many rows, per kernel
-# path (engine/scheduler.py): repacked matrices take rows in groups of 4 and run each leftover
-# row as a matrix-vector product of its own. On the Llama-3.2-1B shape, repack, 2 threads, a
-# 3-row decode call took 121 ms and a 4-row one 106; 15 rows 296 ms and 16 rows 258. The
-# plain and AMX paths are not measured for it: 1, no alignment.
-CALL_ROW_MULTIPLE = {"repack": 4, "plain": 1, "amx": 1}
+# path (engine/scheduler.py). Repacked matrices take rows 16 at a time, then 4 at a time, and
+# run each leftover row as a matrix-vector product of its own (ggml-cpu's repack gemm on x86
+# and ARM). On the Llama-3.2-1B shape, repack, 2 threads, one call: 15 rows 296 ms, 16 rows
+# 258; 31 rows 450, 32 rows 361; 60-63 rows 736-805, 64 rows 594. The plain and AMX paths
+# are not measured for it: 1, no alignment.
+CALL_ROW_MULTIPLE = {"repack": 16, "plain": 1, "amx": 1}
 
 
 class KernelChoiceError(ValueError):

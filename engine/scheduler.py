@@ -80,7 +80,7 @@ class SchedulerConfig:
     max_waiting_per_owner: int | None = None  # waiting opens; None: max_waiting_opens
     compact_held_cells: int | None = None  # held cells that ask for a compaction with no open waiting
     # A call whose prefill the budget cuts short ends at a multiple of this many rows: llama.cpp's
-    # repacked weight matrices take rows four at a time and run each leftover row alone.
+    # repacked weight matrices take rows in blocks and run each leftover row alone.
     row_multiple: int = 1
 
     @property
