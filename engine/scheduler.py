@@ -119,6 +119,8 @@ class SchedulerConfig:
             raise ValueError("max_step_tokens and kv_cells must be >= 1, queue_budget_bytes >= 0")
         if self.max_wait_ms < 0 or self.max_overtakes < 0:
             raise ValueError("max_wait_ms and max_overtakes must be >= 0")
+        if self.row_multiple < 1:
+            raise ValueError(f"need row_multiple >= 1, not {self.row_multiple}")
         if self.compact_held_cells is not None and self.compact_held_cells < 1:
             raise ValueError(f"need compact_held_cells >= 1 (or None), not {self.compact_held_cells}")
 

@@ -399,6 +399,8 @@ def test_config_refuses_starvation_prone_shapes() -> None:
         replace(CFG, max_sessions=17)
     with pytest.raises(ValueError, match="max_prefill_tokens"):
         replace(CFG, max_prefill_tokens=17)
+    with pytest.raises(ValueError, match="row_multiple"):
+        replace(CFG, row_multiple=0)
 
 
 def test_invariant_mode_keeps_every_call_under_the_attention_tile() -> None:
