@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -33,6 +34,7 @@ from pathlib import Path
 
 from bench.attach import PARTS as ATTACHED_PARTS
 from bench.common import EVIDENCE, MODEL_ENV, WORK, shown
+from bench.interrupts import interrupt_on_signals
 from bench.progress import say
 
 SHAPE = "llama-3.2-1b"  # the stand-in for the models users split, beside gemma-3-270m
@@ -147,6 +149,27 @@ def command(name: str, model: str | None, quick: bool, out: Path | None) -> list
     return cmd
 
 
+SUITE_STOP_S = 300.0  # how long an interrupted suite may take to stop what it started
+
+
+def run_suite(cmd: list[str], env: dict[str, str]) -> int:
+    """The suite's exit status. The suite runs in a session of its own, so an interrupt (Ctrl-C
+    at the terminal, or SIGINT or SIGTERM sent to this process) reaches it once, from here; it
+    then stops its nodes and removes its network namespaces while this waits (killed halfway,
+    it would leave them behind). A second interrupt kills it."""
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=SUITE_STOP_S)
+        except (KeyboardInterrupt, subprocess.TimeoutExpired):
+            proc.kill()
+            proc.wait()
+        return 130
+
+
 def run(plan: list[tuple[str, str | None]], quick: bool, out: Path | None) -> int:
     """Each suite in turn, timed; stops at an interrupt; 1 when any failed."""
     times: list[tuple[str, float, int]] = []
@@ -156,7 +179,7 @@ def run(plan: list[tuple[str, str | None]], quick: bool, out: Path | None) -> in
         env = {**os.environ, **({MODEL_ENV: model} if model else {})}
         say(f"== {label}: {shown(' '.join(cmd[1:]))}")
         start = time.perf_counter()
-        status = subprocess.run(cmd, env=env, check=False).returncode
+        status = run_suite(cmd, env)
         times.append((label, time.perf_counter() - start, status))
         say(f"== {label}: {'ok' if status == 0 else f'exit {status}'} in {times[-1][1]:.0f} s")
         if status in (130, -2):
@@ -170,6 +193,7 @@ def run(plan: list[tuple[str, str | None]], quick: bool, out: Path | None) -> in
 
 
 def main() -> int:
+    interrupt_on_signals()  # SIGTERM too, and Ctrl-C even when started with SIGINT ignored
     parser = argparse.ArgumentParser(
         prog="python -m bench",
         description=__doc__.split("\n\n")[0],

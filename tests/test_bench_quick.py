@@ -19,6 +19,7 @@ from neuron_tai.process_exists import process_exists
 
 ROOT = Path(__file__).resolve().parent.parent
 REPORT = [sys.executable, "-m", "bench.report", "quick"]
+ALL_QUICK = [sys.executable, "-m", "bench", "all", "--quick"]
 
 
 def test_quick_bench_reports_every_system_and_proves_sessions_never_mix(tmp_path: Path) -> None:
@@ -162,12 +163,17 @@ def test_bench_reports_a_crashed_node_and_still_writes_the_rest(tmp_path: Path) 
     assert not any(process_exists(p["pid"]) for p in report["processes"])
 
 
+@pytest.mark.parametrize("command", [REPORT, ALL_QUICK], ids=["suite", "all"])
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_interrupted_bench_stops_every_process_it_started(tmp_path: Path, signum: signal.Signals) -> None:
+def test_interrupted_bench_stops_every_process_it_started(
+    tmp_path: Path, signum: signal.Signals, command: list[str]
+) -> None:
+    """Signalled alone (as `kill` or a service manager does), a suite, or `python -m bench all`
+    with a suite under way, stops every process the suite started and exits 130."""
     # Started as a shell starts a background job, with SIGINT ignored: Ctrl-C must still stop it.
     ignoring_sigint = ["bash", "-c", 'trap "" INT; exec "$@"', "bash"]
     proc = subprocess.Popen(
-        [*ignoring_sigint, *REPORT, "--out", str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, text=True
+        [*ignoring_sigint, *command, "--out", str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, text=True
     )
     assert proc.stdout is not None
     pids = []
