@@ -272,6 +272,11 @@ class Run:
     result: dict[str, Any] = field(default_factory=dict)
     bench_errors: list[str] = field(default_factory=list)
 
+    @property
+    def peers_dir(self) -> Path:
+        """Where the hostile peers and the prober read their targets and write their results."""
+        return self.work / "peers"
+
 
 async def targets(run: Run) -> dict[str, Target]:
     """What the hostile peers need to know of each attacked node, asked of the nodes themselves."""
@@ -333,7 +338,7 @@ class Attack:
 async def attack(run: Run, t0: float) -> None:
     """Prober up, solo runs, then the hostile peers beside valid sessions; after one lease, what
     every node holds."""
-    peers_dir = run.work / "peers"
+    peers_dir = run.peers_dir
     peers_dir.mkdir(parents=True, exist_ok=True)
     files = target_files(await targets(run), peers_dir)
     requests = await valid_requests(run)
@@ -375,7 +380,7 @@ async def under_attack(
 ) -> Attack:
     """The hostile peers, the valid sessions, the tail's restarts and the malformed next stage, for
     `attack_s`; returns once every peer has sent its last and every valid session in flight ended."""
-    plan, addresses, peers_dir = run.plan, run.addresses, run.work / "peers"
+    plan, addresses, peers_dir = run.plan, run.addresses, run.peers_dir
     prompt = list(requests[0].prompt[:8])
     say(
         f"attack: {plan.attack_s:g} s, {sum(q for _, q in plan.quotas)} messages from "
@@ -432,7 +437,7 @@ def record_attack(
     run: Run, seen: Attack, solo: dict[str, dict[int, list[int]]], stats: dict[str, dict[str, Any] | None]
 ) -> None:
     """The attack's part of the result: what each peer and the prober wrote, and what the nodes kept."""
-    peers_dir = run.work / "peers"
+    peers_dir = run.peers_dir
     peers = []
     for role, _ in run.plan.quotas:
         got = read_peer(peers_dir / f"{role}.json")

@@ -197,10 +197,9 @@ def start(procs: Processes, model: Path, plan: Plan, quick: bool) -> tuple[dict[
 
 def gateway_command(model: Path, node: str, port: int) -> list[str]:
     return [
-        *[sys.executable, "-m", "neuron_tai.cli", "gateway"],
-        *["--node", node, "--port", str(port), "--model-name", model.stem, "--model", str(model)],
-        *["--open-wait-ms", "50000", "--timeout", "120"],
-    ]
+        sys.executable, "-m", "neuron_tai.cli", "gateway", "--node", node, "--port", str(port),
+        "--model-name", model.stem, "--model", str(model), "--open-wait-ms", "50000", "--timeout", "120",
+    ]  # fmt: skip
 
 
 def start_llama_server(procs: Processes, model: Path, plan: Plan, port: int, quick: bool) -> str | None:
