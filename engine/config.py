@@ -190,6 +190,15 @@ class EngineConfig:
             "shown": "1 + --prefill-share undisturbed gaps (decode-only calls)",
         },
     )
+    # A call gets filler rows where the weights' kernel takes rows in blocks (engine/row_blocks.py).
+    filler_rows: bool = field(
+        default=True,
+        metadata={
+            "help": "add the few rows of a sequence of its own that make a call cheaper where the weights' "
+            "kernel takes rows in blocks (15 rows run as 16; not with --batch-invariant)",
+            "group": "tuning",
+        },
+    )
     # An iteration of only decodes runs as two calls of half the rows where two such calls were
     # measured cheaper than one (llama.cpp's kernels change with the rows: engine/call_split.py).
     split_decodes: bool = field(
@@ -271,7 +280,8 @@ class EngineConfig:
         from engine.backend import ContextConfig  # noqa: PLC0415
 
         return ContextConfig(
-            n_seq_max=self.max_sessions + (2 if self.batch_invariant else 0),  # + padding, graveyard
+            # + the padding or filler rows' sequence, and batch-invariant mode's graveyard
+            n_seq_max=self.max_sessions + (2 if self.batch_invariant else 1),
             n_ctx=self.kv_cells,
             n_batch=self.n_batch,
             n_ubatch=self.n_ubatch,

@@ -38,7 +38,7 @@ from engine.executor import Executor, IterationRecord
 from engine.gguf_facts import ModelFacts, read_facts
 from engine.inbox import Inbox, Queued
 from engine.inbox_wait import take_while
-from engine.kernels import CALL_ROW_MULTIPLE, INVARIANT_PAD_ROWS
+from engine.kernels import CALL_ROW_BLOCKS, INVARIANT_PAD_ROWS
 from engine.linger import SETTLE_GAP_S, linger_limit_s, lingering
 from engine.messages import (
     Cleanup,
@@ -109,8 +109,8 @@ class Engine:
         self.backend = backend
         self.info = backend.info
         self.pad_rows = config.pad_rows or INVARIANT_PAD_ROWS[backend.model.kernel_path.value]
-        row_multiple = CALL_ROW_MULTIPLE[backend.model.kernel_path.value]
-        self.scheduler: EngineScheduler = Scheduler(scheduler_config(config, cells, self.pad_rows, row_multiple))
+        row_blocks = CALL_ROW_BLOCKS[backend.model.kernel_path.value]
+        self.scheduler: EngineScheduler = Scheduler(scheduler_config(config, cells, self.pad_rows, row_blocks))
         self.queued_per_peer = config.queued_per_peer()
         if not 1 <= self.queued_per_peer <= config.inbox_size:
             raise ValueError(
@@ -121,7 +121,7 @@ class Engine:
         scratch = self.compute_bytes + self.output_buffer_bytes
         self.budgets = Budgets(budgets.weights_bytes, budgets.kv_bytes, scratch)
         self.telemetry = Telemetry()
-        pad_seq = backend.open_sequence() if config.batch_invariant else None
+        pad_seq = backend.open_sequence()  # padding (batch-invariant mode) or filler rows
         graveyard = backend.open_sequence() if config.batch_invariant else None
         self._ends = SessionEnds()
         self.sessions = Sessions(self.scheduler, backend, self.telemetry, self._ends, graveyard)
@@ -441,9 +441,13 @@ class Engine:
         return wire_stats(self.statistics())
 
 
-def scheduler_config(config: EngineConfig, cells: int, pad_rows: int, row_multiple: int = 1) -> SchedulerConfig:
+def scheduler_config(
+    config: EngineConfig, cells: int, pad_rows: int, row_blocks: tuple[int, ...] = ()
+) -> SchedulerConfig:
     """The scheduler's limits from the engine's configuration and the KV cells llama.cpp has."""
-    pad_reserve = pad_rows if config.batch_invariant else 0
+    fillers = row_blocks if config.filler_rows and not config.batch_invariant else ()
+    # Cells the padding or filler rows take during a call (engine/row_blocks.py: fewer than the smallest block).
+    pad_reserve = pad_rows if config.batch_invariant else (fillers[-1] - 1 if fillers else 0)
     # Prefill chunks, padded to a multiple of pad_rows, stay below the flash-attention tile.
     invariant_rows = [INVARIANT_MAX_ROWS // pad_rows * pad_rows] if config.batch_invariant else []
     return SchedulerConfig(
@@ -462,7 +466,8 @@ def scheduler_config(config: EngineConfig, cells: int, pad_rows: int, row_multip
         max_sessions_per_owner=config.max_sessions_per_peer,
         max_waiting_per_owner=config.max_waiting_per_peer,
         compact_held_cells=_compact_held_cells(config, cells - pad_reserve),
-        row_multiple=row_multiple,
+        row_multiple=row_blocks[0] if row_blocks else 1,
+        row_blocks=fillers,
     )
 
 

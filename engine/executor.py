@@ -58,7 +58,7 @@ class Executor:
         self.backend: StageBackend = sessions.backend
         self.telemetry = sessions.telemetry
         self.compute = compute
-        self.pad_seq = pad_seq  # batch-invariant mode: the sequence padding rows run in
+        self.pad_seq = pad_seq  # the sequence padding and filler rows run in
         self.split_on_no_slot = split_on_no_slot
         self.record_iterations = record_iterations
         self.iterations: deque[IterationRecord] = deque(maxlen=100_000)  # when record_iterations
@@ -119,6 +119,7 @@ class Executor:
         decode_rows = sum(c.count for c in call.chunks if self._step(c).is_decode)
         prefill_rows = sum(c.count for c in call.chunks) - decode_rows
         self.telemetry.record_batch(time.monotonic(), call.rows, prefill_rows, decode_rows, seconds)
+        self.telemetry.padding_rows_total += call.pad_rows
         if self.halves is not None and decode_rows and not prefill_rows:
             self.call_costs.observe(decode_rows, seconds * 1000)
         if plan.halved:  # the sessions of both calls wait for both: one gap, seen once
@@ -153,19 +154,23 @@ class Executor:
             hidden = None if req.hidden is None else req.hidden[rows]
             segments.append(Segment(chunk.seq, chunk.pos, tokens, hidden, out))
         if call.pad_rows and self.pad_seq is not None:
-            n = call.pad_rows
-            if self.backend.info.first:
-                segments.append(Segment(self.pad_seq, 0, tokens=np.zeros(n, np.int32), output=Output.PAD))
-            else:
-                pad = np.zeros((n, self.backend.info.n_embd), np.float32)
-                segments.append(Segment(self.pad_seq, 0, hidden=pad, output=Output.PAD))
+            segments.append(self._padding(call.pad_rows))
         return segments
+
+    def _padding(self, n: int) -> Segment:
+        """`n` rows of the padding sequence: computed as outputs in batch-invariant mode (a
+        fixed batch shape), without outputs as fillers (engine/row_blocks.py)."""
+        assert self.pad_seq is not None
+        out = Output.PAD if self.scheduler.config.batch_invariant else Output.NONE
+        if self.backend.info.first:
+            return Segment(self.pad_seq, 0, tokens=np.zeros(n, np.int32), output=out)
+        return Segment(self.pad_seq, 0, hidden=np.zeros((n, self.backend.info.n_embd), np.float32), output=out)
 
     def _decode_in_thread(self, segments: list[Segment]) -> list[SegmentResult]:
         try:
             return self.backend.decode(segments)
         finally:
-            if self.pad_seq is not None:
+            if segments[-1].seq == self.pad_seq:
                 self.backend.rewind(self.pad_seq, 0)
 
     def _record(self, plan: Plan, call: Call) -> IterationRecord:

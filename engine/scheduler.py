@@ -27,6 +27,10 @@ plans it returns, and reports back. The policy (DESIGN.md):
   the next group computes. Every ready decode is still planned in every iteration.
 - Halves: an iteration of only decodes may run each call as two of half the rows, when
   the engine measured two such calls cheaper than one (engine/call_split.py).
+- Row blocks (`row_blocks`, llama.cpp's repacked weights): a call whose prefill the budget
+  cuts short leaves the rows past a multiple of `row_multiple` to the next iteration, and
+  any call gets the few filler rows that save passes over the weights
+  (engine/row_blocks.py): 15 rows run as 16.
 - Batch-invariant mode: decode rows are padded to a multiple of `pad_rows` and each
   prefill chunk runs in a call of its own with boundaries fixed by position, padded the
   same way, so a session's batch shapes do not depend on what else is being served, and
@@ -47,6 +51,7 @@ from typing import Any, Generic, TypeVar
 
 from engine.call_split import split_at
 from engine.pacing import Demand
+from engine.row_blocks import filler_rows
 from protocol.errors import ErrorCode, Fault
 
 SessionKey = Any  # any hashable; the engine uses (connection, session id)
@@ -82,6 +87,9 @@ class SchedulerConfig:
     # A call whose prefill the budget cuts short ends at a multiple of this many rows: llama.cpp's
     # repacked weight matrices take rows in blocks and run each leftover row alone.
     row_multiple: int = 1
+    # The kernel's row blocks, largest first: outside batch-invariant mode a call gets filler
+    # rows where they save passes over the weights (engine/row_blocks.py). (): none.
+    row_blocks: tuple[int, ...] = ()
 
     @property
     def sessions_per_owner(self) -> int:
@@ -121,6 +129,8 @@ class SchedulerConfig:
             raise ValueError("max_wait_ms and max_overtakes must be >= 0")
         if self.row_multiple < 1:
             raise ValueError(f"need row_multiple >= 1, not {self.row_multiple}")
+        if any(b < 1 for b in self.row_blocks) or list(self.row_blocks) != sorted(self.row_blocks, reverse=True):
+            raise ValueError(f"row_blocks must be positive, largest first, not {self.row_blocks}")
         if self.compact_held_cells is not None and self.compact_held_cells < 1:
             raise ValueError(f"need compact_held_cells >= 1 (or None), not {self.compact_held_cells}")
 
@@ -180,7 +190,8 @@ class Chunk:
 
 @dataclass(frozen=True, slots=True)
 class Call:
-    """One llama_decode call: chunks, plus padding rows (batch-invariant decode)."""
+    """One llama_decode call: chunks, plus padding rows (batch-invariant decode's, or fillers
+    that make the call cheaper on a kernel that takes rows in blocks)."""
 
     chunks: tuple[Chunk, ...]
     pad_rows: int = 0
@@ -595,6 +606,7 @@ class Scheduler(Generic[StepPayload, OpenPayload]):
                 halved = len(calls) > len(groups)
             else:
                 calls = [Call(group) for group in groups]
+            calls = [replace(c, pad_rows=filler_rows(c.rows, cfg.row_blocks, cfg.n_batch)) for c in calls]
         if not calls:
             return None
         self.iteration += 1

@@ -83,6 +83,7 @@ class BatchStatistics:
     linger_seconds_total: float
     no_kv_slot_total: int
     halved_total: int
+    padding_rows_total: int
     kernel_path: str
     pad_rows: int
     micro_batches: int
@@ -197,6 +198,7 @@ def wire_stats(s: EngineStatistics) -> dict[str, Any]:
         "late_sessions_total": s.sessions.late_total,
         "decode_no_kv_slot_total": s.batches.no_kv_slot_total,
         "decode_halved_total": s.batches.halved_total,
+        "padding_rows_total": s.batches.padding_rows_total,
         "cleanups_total": s.queue.cleanups_total,
         "cleanups_pending": s.queue.cleanups_pending,
         "inbox_size": s.queue.inbox_size,
@@ -287,6 +289,7 @@ def batch_statistics(
         linger_seconds_total=t.linger_seconds_total,
         no_kv_slot_total=t.no_kv_slot_total,
         halved_total=t.halved_total,
+        padding_rows_total=t.padding_rows_total,
         kernel_path=backend.model.kernel_path.value,
         pad_rows=pad_rows,
         micro_batches=micro_batches,

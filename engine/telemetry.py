@@ -68,6 +68,7 @@ class Telemetry:
     cleanups_total: int = 0  # close/rollback/gone-connection requests taken on the cleanup path
     no_kv_slot_total: int = 0  # llama_decode calls that found no KV slot (retried split, or `busy`)
     halved_total: int = 0  # iterations whose decodes ran as two calls of half the rows (engine/call_split.py)
+    padding_rows_total: int = 0  # rows added to calls: batch-invariant padding, or fillers (engine/row_blocks.py)
     kv_compactions_total: int = 0  # KV cache compactions that freed held cells (batch-invariant mode)
     kv_compactions_failed_total: int = 0  # compactions that could not copy a session out (nothing changed)
     kv_compaction_seconds_total: float = 0.0

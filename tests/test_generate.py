@@ -360,9 +360,9 @@ async def test_concurrent_runs_share_decode_batches(tiny_model: Path) -> None:
 
 
 @asynccontextmanager
-async def chain(shards: list[Path]) -> AsyncIterator[tuple[Node, Node]]:
-    async with open_node(NodeConfig(engine_config(shards[1]), bind="tcp://127.0.0.1:0")) as tail:
-        cfg = NodeConfig(engine_config(shards[0]), bind="tcp://127.0.0.1:0", next=tail.address)
+async def chain(shards: list[Path], **engine: Any) -> AsyncIterator[tuple[Node, Node]]:
+    async with open_node(NodeConfig(engine_config(shards[1], **engine), bind="tcp://127.0.0.1:0")) as tail:
+        cfg = NodeConfig(engine_config(shards[0], **engine), bind="tcp://127.0.0.1:0", next=tail.address)
         async with open_node(cfg) as head:
             yield head, tail
 
@@ -380,6 +380,38 @@ async def test_a_two_stage_chain_generates_what_one_node_does(tiny_model: Path, 
         assert (await c.stats())["generated_tokens_total"] == 32 + stopped.generated
         # Only the head runs the loop: the tail saw ordinary steps.
         assert tail.stats()["generated_tokens_total"] == 0
+
+
+async def test_filler_rows_at_both_stages_change_no_session_s_tokens(
+    tiny_model: Path, tiny_shards2: list[Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Row blocks of 16 and 4 on every kernel path: 7 sessions generating through a chain whose
+    head runs them as micro-batches of 4 and 3 give each 3-row call a filler row, a token at the
+    head and a hidden state at the tail, in a sequence of their own. Every session gets the
+    tokens of its solo run on one node, and no filler cell is left behind."""
+    async with node_and_client(tiny_model) as (_node, one):
+        solo = []
+        for i in range(7):
+            await one.open(f"s{i}", 40)
+            solo.append((await generate(one, f"s{i}", 0, prompt(i, 6), 24, ignore_eog=True)).tokens)
+            await one.close(f"s{i}")
+    monkeypatch.setattr("engine.engine.CALL_ROW_BLOCKS", dict.fromkeys(("plain", "repack", "amx"), (16, 4)))
+    together: dict[int, list[int]] = {}
+    async with chain(tiny_shards2, max_sessions=8) as (head, tail), open_client(head.address, timeout_s=10) as c:
+
+        async def run(i: int) -> None:
+            await c.open(f"s{i}", 40)
+            together[i] = (await generate(c, f"s{i}", 0, prompt(i, 6), 24, ignore_eog=True)).tokens
+            await c.close(f"s{i}")
+
+        async with trio.open_nursery() as nursery:
+            for i in range(7):
+                nursery.start_soon(run, i)
+        await wait_until(lambda: tail.stats()["sessions_active"] == 0)  # closes reach the tail after
+        stats = [head.stats(), tail.stats()]
+    assert [together[i] for i in range(7)] == solo
+    for s in stats:
+        assert s["padding_rows_total"] > 0 and s["kv_cells_used"] == 0, s
 
 
 async def test_generate_errors(tiny_model: Path, tiny_shards2: list[Path]) -> None:

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from engine.pacing import Demand
+from engine.row_blocks import filler_rows
 from engine.scheduler import Plan, Scheduler, SchedulerConfig, Session, Step, Waiter
 from protocol.errors import ErrorCode, Fault
 
@@ -554,6 +555,68 @@ def test_row_alignment_only_moves_a_few_rows_of_an_unfinished_prompt_to_the_next
         assert aligned.calls[0].rows % multiple == 0 and moved == cut < multiple
     else:
         assert moved == 0
+
+
+def test_a_call_gets_the_filler_rows_its_kernel_blocks_ask_for_within_the_batch() -> None:
+    """Blocks of 16 and 4 rows: 3 decodes run as a call of 4 rows, 2 as a call of 2; 15 rows of a
+    prompt run as 16 when the batch has room for a filler, as 15 when it has not."""
+    s = Scheduler[None, None](replace(CFG, row_blocks=(16, 4)))
+    for i, key in enumerate("abcd"):
+        opened(s, key, seq=i)
+    for key in "abc":
+        s.submit(key, 0, 1, 4, 0.0, None)
+    plan = s.plan()
+    assert plan is not None and [(call.rows, call.pad_rows) for call in plan.calls] == [(4, 1)]
+    run(s, plan)
+    for key in "ab":
+        s.submit(key, 1, 1, 4, 0.0, None)
+    plan = s.plan()
+    assert plan is not None and [(call.rows, call.pad_rows) for call in plan.calls] == [(2, 0)]
+    for n_batch, pad in ((16, 1), (15, 0)):
+        s = Scheduler[None, None](replace(CFG, n_batch=n_batch, max_prefill_tokens=15, row_blocks=(16, 4)))
+        opened(s, "a", seq=0)
+        s.submit("a", 0, 15, 60, 0.0, None)
+        plan = s.plan()
+        assert plan is not None and [call.pad_rows for call in plan.calls] == [pad]
+
+
+def test_row_blocks_must_be_positive_and_largest_first() -> None:
+    for blocks in ((4, 16), (16, 0)):
+        with pytest.raises(ValueError, match="row_blocks"):
+            replace(CFG, row_blocks=blocks)
+
+
+@given(
+    decodes=st.integers(0, 12),
+    prompts=st.lists(st.integers(1, 40), max_size=3),
+    budget=st.one_of(st.none(), st.integers(0, 24)),
+    micro_batches=st.sampled_from([1, 2]),
+)
+def test_fillers_change_no_call_but_its_padding(
+    decodes: int, prompts: list[int], budget: int | None, micro_batches: int
+) -> None:
+    """Against the same scheduler without row blocks: the same calls of the same chunks, each with
+    the fillers its rows ask for, never past n_batch."""
+    cfg = replace(CFG, max_sessions=16, kv_cells=2048, n_batch=32, max_prefill_tokens=24, micro_batches=micro_batches)
+    plans = []
+    for blocks in ((), (16, 4)):
+        s = Scheduler[None, None](replace(cfg, row_blocks=blocks))
+        for i in range(decodes + len(prompts)):
+            opened(s, f"s{i}", max_tokens=48, seq=i)
+        for i in range(decodes):
+            s.submit(f"s{i}", 0, 1, 4, 0.0, None)
+        for j, n in enumerate(prompts):
+            s.submit(f"s{decodes + j}", 0, n, 4 * n, 0.0, None)
+        plans.append(s.plan(prefill_budget=budget))
+    plain, filled = plans
+    if plain is None:
+        assert filled is None
+        return
+    assert filled is not None and [c.chunks for c in plain.calls] == [c.chunks for c in filled.calls]
+    for bare, call in zip(plain.calls, filled.calls, strict=True):
+        assert bare.pad_rows == 0 and call.pad_rows == filler_rows(bare.rows, (16, 4), cfg.n_batch)
+        assert call.rows <= cfg.n_batch
+        event(f"fillers {call.pad_rows}")
 
 
 OWNERS = ("a", "b", "c")
