@@ -290,7 +290,7 @@ class Engine:
                 budget = self.executor.pace.prefill_budget(
                     self.config.prefill_share, self.config.itl_target_ms, self.scheduler.demand()
                 )
-                plan = self.scheduler.plan(budget, self.executor.halves)
+                plan = self.scheduler.plan(budget, self.executor.halves, self.executor.fillers.pays)
                 if plan is None:
                     await self._wait_for_work()
                     await self._linger()  # a group coming back (from the next stage) comes back whole

@@ -22,6 +22,7 @@ from engine.compute_thread import ComputeThread
 from engine.messages import EndReason, Output, StepDone
 from engine.pacing import PrefillPace
 from engine.replies import RequesterGone, Work
+from engine.row_blocks import MeasuredFillers
 from engine.scheduler import Call, Chunk, Plan, Session, Step
 from engine.sessions import Sessions, now_ms
 from protocol.errors import ErrorCode, Fault
@@ -64,6 +65,7 @@ class Executor:
         self.iterations: deque[IterationRecord] = deque(maxlen=100_000)  # when record_iterations
         self.pace = PrefillPace(row_multiple=self.scheduler.config.row_multiple)
         self.call_costs = DecodeCallCosts()
+        self.fillers = MeasuredFillers()  # what Scheduler.plan asks of a call of only decodes
         self.halves = self.call_costs.halves if halve_decodes else None  # what Scheduler.plan asks
         self._halved_so_far = (0, 0.0)  # decode rows and ms of the halved iteration under way
 
@@ -120,8 +122,10 @@ class Executor:
         prefill_rows = sum(c.count for c in call.chunks) - decode_rows
         self.telemetry.record_batch(time.monotonic(), call.rows, prefill_rows, decode_rows, seconds)
         self.telemetry.padding_rows_total += call.pad_rows
-        if self.halves is not None and decode_rows and not prefill_rows:
-            self.call_costs.observe(decode_rows, seconds * 1000)
+        if decode_rows and not prefill_rows:
+            self.fillers.observe(decode_rows, call.pad_rows > 0, seconds * 1000)
+            if self.halves is not None:
+                self.call_costs.observe(decode_rows, seconds * 1000)
         if plan.halved:  # the sessions of both calls wait for both: one gap, seen once
             rows, ms = self._halved_so_far
             self._halved_so_far = (rows + decode_rows, ms + seconds * 1000)

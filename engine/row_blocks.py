@@ -8,13 +8,20 @@ second is the larger where decoding is bound by memory. On the Llama-3.2-1B shap
 2 threads: 3 rows 121 ms and 4 rows 106; 15 rows 296 and 16 rows 258; 31 rows 450 and 32
 rows 361. With 1 thread: 3 rows 258 ms and 4 rows 212; 15 rows 589 and 16 rows 481.
 
-The policy counts a filler row as dear as a pass: a call gets filler rows only where they
-save more passes than their number (3 rows run as 4, 14 or 15 as 16), never more than
-`blocks[-1] - 1` of them. Fillers are rows of a sequence of their own, without outputs,
-removed after the call: they change no session's result.
+The offer counts a filler row as dear as a pass: fillers only where they save more passes
+than their number (3 rows run as 4, 14 or 15 as 16), never more than `blocks[-1] - 1` of
+them. Passes do not tell the whole cost: on the same machine 7 rows took 180 ms and 8 rows
+190. So a call of only decodes, whose shapes recur, takes the offer only while it measures
+cheaper (`MeasuredFillers`); a call that carries prefill takes it as offered. Fillers are
+rows of a sequence of their own, without outputs, removed after the call: they change no
+session's result.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.call_split import EMA, Recheck
 
 
 def weight_passes(rows: int, blocks: tuple[int, ...]) -> int:
@@ -38,3 +45,32 @@ def filler_rows(rows: int, blocks: tuple[int, ...], limit: int) -> int:
         if extra + weight_passes(rows + extra, blocks) < best + weight_passes(rows + best, blocks):
             best = extra
     return best
+
+
+@dataclass(slots=True)
+class MeasuredFillers:
+    """Whether a call of `rows` decodes takes the fillers offered: both shapes measured (with
+    fillers first), the cheaper kept, the other tried again now and then (`Recheck`)."""
+
+    filled_ms: dict[int, float] = field(default_factory=dict)  # running cost by decode rows, with fillers
+    bare_ms: dict[int, float] = field(default_factory=dict)  # and without
+    rechecks: dict[int, Recheck] = field(default_factory=dict)
+
+    RECHECK_EVERY = 32
+    MAX_RECHECK_EVERY = 512
+
+    def observe(self, rows: int, filled: bool, ms: float) -> None:
+        """Record one call of `rows` decodes and nothing else, run with fillers or without."""
+        table = self.filled_ms if filled else self.bare_ms
+        old = table.get(rows)
+        table[rows] = ms if old is None else old + EMA * (ms - old)
+
+    def pays(self, rows: int) -> bool:
+        """Whether a call of `rows` decodes, offered fillers, takes them."""
+        if rows not in self.filled_ms:
+            return True
+        if rows not in self.bare_ms:
+            return False
+        cheaper = self.filled_ms[rows] < self.bare_ms[rows]
+        recheck = self.rechecks.setdefault(rows, Recheck(cheaper, self.RECHECK_EVERY, self.MAX_RECHECK_EVERY))
+        return cheaper != recheck.due(cheaper)

@@ -308,6 +308,15 @@ def _halved(groups: list[tuple[Chunk, ...]], halves: Callable[[int], bool]) -> l
     return calls
 
 
+def _filled(call: Call, cfg: SchedulerConfig, fillers_pay: Callable[[int], bool] | None) -> Call:
+    """The call with the filler rows its row blocks offer, unless `fillers_pay` (asked for a call
+    of only decodes) says they do not pay."""
+    n = filler_rows(call.rows, cfg.row_blocks, cfg.n_batch)
+    if n == 0 or (fillers_pay is not None and not fillers_pay(call.rows)):
+        return call
+    return replace(call, pad_rows=n)
+
+
 def _step_refusal(
     cfg: SchedulerConfig,
     session: Session[Any],
@@ -578,13 +587,19 @@ class Scheduler(Generic[StepPayload, OpenPayload]):
             return Demand(decoding, len(self._rr))
         return Demand(decoding, len(self._rr), min(max(Counter(ready).values(), default=0), decoding))
 
-    def plan(self, prefill_budget: int | None = None, halves: Callable[[int], bool] | None = None) -> Plan | None:
+    def plan(
+        self,
+        prefill_budget: int | None = None,
+        halves: Callable[[int], bool] | None = None,
+        fillers_pay: Callable[[int], bool] | None = None,
+    ) -> Plan | None:
         """The next iteration's llama_decode calls, or None when there is nothing to run.
 
         `prefill_budget` lowers the prefill rows of an iteration that also carries decodes (sized
         from measured step times; 0: decode-only, to measure a decode step); invariant mode keeps
         fixed chunks. `halves(rows)`: whether a call of only decodes runs as two (call_split.py;
-        only where `config.may_halve`).
+        only where `config.may_halve`). `fillers_pay(rows)`: whether a call of only decodes
+        takes the filler rows its row blocks offer (row_blocks.py); a call with prefill does.
         """
         cfg = self.config
         decodes = sorted(
@@ -606,7 +621,8 @@ class Scheduler(Generic[StepPayload, OpenPayload]):
                 halved = len(calls) > len(groups)
             else:
                 calls = [Call(group) for group in groups]
-            calls = [replace(c, pad_rows=filler_rows(c.rows, cfg.row_blocks, cfg.n_batch)) for c in calls]
+            decoding = {c.key for c in decode_chunks}
+            calls = [_filled(c, cfg, fillers_pay if all(k.key in decoding for k in c.chunks) else None) for c in calls]
         if not calls:
             return None
         self.iteration += 1

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.row_blocks import filler_rows, weight_passes
+from engine.row_blocks import MeasuredFillers, filler_rows, weight_passes
 
 REPACK = (16, 4)
 
@@ -52,3 +52,21 @@ def test_fillers_give_the_cheapest_call_within_reach(rows: int, blocks: tuple[in
     costs = [k + weight_passes(rows + k, blocks) for k in reach]
     assert cost == min(costs) and n == costs.index(cost), "the cheapest, and of equals the fewest fillers"
     assert n == 0 or cost < weight_passes(rows, blocks)
+
+
+def test_a_decode_call_measures_both_shapes_then_keeps_the_cheaper_and_rechecks_it() -> None:
+    """With fillers first, then without; then the cheaper, except once every RECHECK_EVERY
+    decisions, when the other shape runs again so a cost that moved is seen."""
+    fillers = MeasuredFillers()
+    assert fillers.pays(7)
+    fillers.observe(7, True, 190.0)
+    assert not fillers.pays(7)
+    fillers.observe(7, False, 180.0)
+    choices = [fillers.pays(7) for _ in range(MeasuredFillers.RECHECK_EVERY)]
+    assert choices == [False] * (MeasuredFillers.RECHECK_EVERY - 1) + [True]
+    fillers.observe(3, True, 105.0)
+    fillers.observe(3, False, 121.0)
+    assert fillers.pays(3), "each size is measured on its own"
+    for _ in range(20):
+        fillers.observe(7, True, 150.0)  # the filled shape got cheaper: the running cost follows
+    assert fillers.pays(7)

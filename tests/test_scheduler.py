@@ -558,8 +558,9 @@ def test_row_alignment_only_moves_a_few_rows_of_an_unfinished_prompt_to_the_next
 
 
 def test_a_call_gets_the_filler_rows_its_kernel_blocks_ask_for_within_the_batch() -> None:
-    """Blocks of 16 and 4 rows: 3 decodes run as a call of 4 rows, 2 as a call of 2; 15 rows of a
-    prompt run as 16 when the batch has room for a filler, as 15 when it has not."""
+    """Blocks of 16 and 4 rows: 3 decodes run as a call of 4 rows, 2 as a call of 2, and 3 without
+    a filler where fillers were measured not to pay a call of only decodes; 15 rows of a prompt
+    run as 16 when the batch has room for a filler, as 15 when it has not."""
     s = Scheduler[None, None](replace(CFG, row_blocks=(16, 4)))
     for i, key in enumerate("abcd"):
         opened(s, key, seq=i)
@@ -572,6 +573,17 @@ def test_a_call_gets_the_filler_rows_its_kernel_blocks_ask_for_within_the_batch(
         s.submit(key, 1, 1, 4, 0.0, None)
     plan = s.plan()
     assert plan is not None and [(call.rows, call.pad_rows) for call in plan.calls] == [(2, 0)]
+    run(s, plan)
+    for key in "abc":
+        s.submit(key, 2 - (key == "c"), 1, 4, 0.0, None)
+    plan = s.plan(fillers_pay=lambda rows: False)  # measured dearer: a call of only decodes goes without
+    assert plan is not None and [(call.rows, call.pad_rows) for call in plan.calls] == [(3, 0)]
+    run(s, plan)
+    for key in "ab":
+        s.submit(key, 3, 1, 4, 0.0, None)
+    s.submit("d", 0, 5, 20, 0.0, None)
+    plan = s.plan(fillers_pay=lambda rows: False)  # a call with prefill takes what its blocks offer
+    assert plan is not None and [(call.rows, call.pad_rows) for call in plan.calls] == [(8, 1)]
     for n_batch, pad in ((16, 1), (15, 0)):
         s = Scheduler[None, None](replace(CFG, n_batch=n_batch, max_prefill_tokens=15, row_blocks=(16, 4)))
         opened(s, "a", seq=0)
