@@ -62,6 +62,8 @@ SUITES = {
     "kernels": Suite("bench.kernel_paths", ("--reps", "1"), None, "bare loop on each weight kernel path"),
     "curve": Suite("bench.curve_cost", ("--reps", "1"), ("--quick",), "the cost of CurveZMQ links", "file"),
     "stages": Suite("bench.stage_cost", ("--reps", "1"), ("--quick",), "per-stage decode cost of a split"),
+    "fillers": Suite("bench.filler_cost", (), ("--quick", "--reps", "2"), "decode calls with and without the "
+                     "filler rows of row blocks"),
     "multihost": Suite("bench.multihost", (), ("--quick", "--out", str(WORK / "multihost-quick.json")),
                        "2-stage chain across network namespaces", "file", "evidence/multihost.json"),
     "gateway": Suite("bench.gateway_bench", (), ("--quick",), "OpenAI gateway against llama-server's", "file",
@@ -95,6 +97,8 @@ FULL_SET: list[tuple[str, str | None]] = [
     ("report", SHAPE),
     ("report-decode", SHAPE),
     ("kernels", None),
+    ("fillers", None),
+    ("fillers", SHAPE),
     ("curve", None),
     ("stages", None),
     ("multihost", None),

@@ -207,3 +207,16 @@ def test_stage_cost_times_both_splits_of_the_tiny_model() -> None:
         assert set(split["step_ms"]) == {f"{a}:{b}" for a, b in split["bounds"]}
         bound = split["efficiency_bound"]
         assert set(bound) == {"1", "8"} and all(v > 0 for v in bound.values())
+
+
+def test_filler_cost_times_each_size_with_and_without_its_fillers() -> None:
+    out = ROOT / ".bench" / "filler_cost-quick.json"
+    out.unlink(missing_ok=True)  # what this run writes, not what an earlier one left
+    cmd = [sys.executable, "-m", "bench", "fillers", "--quick"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["threads"], r["rows"], r["fillers"]) for r in rows] == [
+        (t, n, k) for t in (1, 2) for n, k in ((3, 1), (7, 1), (11, 1), (14, 2), (15, 1))
+    ]
+    assert all(r["bare_ms"] > 0 and r["filled_ms"] > 0 for r in rows)
