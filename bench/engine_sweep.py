@@ -16,7 +16,7 @@ import functools
 import hashlib
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import numpy as np
@@ -67,6 +67,8 @@ class EngineClient:
     """The engine in process behind the node client's session calls: the same driver measures both."""
 
     engine: Engine
+    answered: set[str] = field(default_factory=set)  # sessions that have had a step answered
+    _news: trio.Event = field(default_factory=trio.Event)  # set when one more has
 
     async def open(self, session: str, max_tokens: int, *, wait_ms: int = 0) -> dict[str, Any]:
         return {
@@ -78,7 +80,16 @@ class EngineClient:
     async def step(self, session: str, pos: int, *, tokens: list[int], out: str) -> StepReply:
         request = StepRequest(OWNER, session, pos, Output(out), tokens=np.array(tokens, np.int32))
         done = _ok(await self.engine.request(request), StepDone)
+        if session not in self.answered:
+            self.answered.add(session)
+            self._news.set()
+            self._news = trio.Event()
         return StepReply(None, token=done.token, logits=done.logits)  # no node answered: no wire result
+
+    async def first_tokens(self, n: int) -> None:
+        """Wait until `n` sessions have had their first token."""
+        while len(self.answered) < n:
+            await self._news.wait()
 
     async def close_on_exit(self, session: str) -> None:
         with trio.CancelScope(shield=True):
@@ -93,9 +104,16 @@ def _ok(result: object, kind: type[R]) -> R:
 
 
 async def run_sessions(
-    engine: Engine, prompts: list[list[int]], steps: int, *, logits: bool = False, delays: list[float] | None = None
+    engine: Engine,
+    prompts: list[list[int]],
+    steps: int,
+    *,
+    logits: bool = False,
+    delays: list[float] | None = None,
+    late: int | None = None,
 ) -> tuple[float, list[Trace], float, list[list[str]]]:
-    """All sessions at once, `steps` decode steps each after the prompt.
+    """All sessions at once (or each after its delay), `steps` decode steps each after the prompt;
+    session `late`, if given, once every other one has had its first token (they decode).
 
     Returns tok/s over the run, the traces (in prompt order), peak KV pressure and, with
     `logits`, each session's digests of its logits step by step.
@@ -109,6 +127,8 @@ async def run_sessions(
 
     async def one(i: int) -> None:
         await trio.sleep(delays[i] if delays else 0.0)
+        if i == late:
+            await client.first_tokens(len(prompts) - 1)
         req = Request(i, tuple(prompts[i]), steps + 1)
         traces[i] = await generate(client, req, f"s{i}", on_logits=keep if logits else None)
 
@@ -180,8 +200,9 @@ async def measure_interference(engine: Engine, steps: int) -> dict[str, Any]:
     prompts = prompt_tokens(engine.backend, 7)
     long_prompt = (engine.tokenize(" ".join(["The history of the river valley is long and varied."] * 60)))[:512]
     _, quiet, _, _ = await run_sessions(engine, prompts, steps)
-    # Same 7 sessions, plus one 512-token prompt arriving once they are decoding.
-    _, noisy, _, _ = await run_sessions(engine, [*prompts, long_prompt], steps, delays=[0.0] * 7 + [0.3])
+    # Same 7 sessions, plus one 512-token prompt arriving once they are decoding (all 7 have had
+    # their first token: on a slow machine a fixed delay let it meet their own prompts).
+    _, noisy, _, _ = await run_sessions(engine, [*prompts, long_prompt], steps, late=7)
     without = ms([x for t in quiet for x in t.gaps], 99)
     with_ = ms([x for t in noisy[:7] for x in t.gaps], 99)
     return {
