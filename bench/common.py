@@ -133,6 +133,16 @@ def evidence_meta() -> dict[str, Any]:
     }
 
 
+def write_result(name: str, payload: dict[str, Any], quick: bool) -> Path:
+    """A suite's result: `.bench/NAME-quick.json` (the payload alone) for a quick run, else evidence."""
+    if not quick:
+        return write_evidence(name, payload)
+    out = WORK / f"{Path(name).stem}-quick{Path(name).suffix}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(payload, indent=2) + "\n")
+    return out
+
+
 def write_evidence(name: str, payload: dict[str, Any], directory: Path = EVIDENCE) -> Path:
     """`directory/name`: `evidence_meta()`, then the payload (a payload's own `command` or `commit` wins)."""
     directory.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,6 @@ size it reports the median milliseconds of both calls and their ratio.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -21,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import WORK, bench_model, shown, write_evidence
+from bench.common import bench_model, shown, write_result
 from engine.backend import ContextConfig, Segment, StageBackend
 from engine.kernels import CALL_ROW_BLOCKS
 from engine.messages import Output
@@ -101,13 +100,7 @@ def main() -> int:
         parser.error(f"sizes must be 1-{SESSIONS}")
     rows = [r for t in args.threads.split(",") for r in measure(model, int(t), sizes, args.reps)]
     payload = {"model": model.name, "context_tokens": CONTEXT_TOKENS, "reps": args.reps, "rows": rows}
-    if args.quick:
-        out = WORK / "filler_cost-quick.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(payload, indent=2) + "\n")
-    else:
-        out = write_evidence("filler_cost.json", payload)
-    print(f"wrote {shown(out)}")
+    print(f"wrote {shown(write_result('filler_cost.json', payload, args.quick))}")
     return 0
 
 

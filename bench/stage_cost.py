@@ -17,7 +17,6 @@ target weights + KV + 25%.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import statistics
 import sys
@@ -27,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import SHARDS, WORK, bench_model, interleaved, shown, write_evidence
+from bench.common import SHARDS, bench_model, interleaved, shown, write_result
 from engine.backend import ContextConfig, Segment, StageBackend
 from engine.gguf_facts import read_facts
 from engine.llama_handles import logged_buffers
@@ -182,12 +181,7 @@ def main() -> int:
         "splits": rows,
         "runs": {k: [{str(r): v for r, v in x.items()} for x in got] for k, got in runs.items()},
     }
-    if args.quick:
-        out = WORK / "stage_cost-quick.json"
-        out.write_text(json.dumps(payload, indent=2) + "\n")
-    else:
-        out = write_evidence("stage_cost.json", payload)
-    print(f"wrote {shown(out)}")
+    print(f"wrote {shown(write_result('stage_cost.json', payload, args.quick))}")
     return 0
 
 

@@ -31,6 +31,18 @@ def run(s: Scheduler[None, None], plan: Plan) -> list[Step[None]]:
     return s.commit(plan, 0.0, 10.0)
 
 
+def planned(cfg: SchedulerConfig, decodes: int, prompts: list[int], budget: int | None) -> Plan | None:
+    """The first plan of a scheduler with `decodes` sessions decoding and one session per prompt."""
+    s = Scheduler[None, None](cfg)
+    for i in range(decodes + len(prompts)):
+        opened(s, f"s{i}", max_tokens=48, seq=i)
+    for i in range(decodes):
+        s.submit(f"s{i}", 0, 1, 4, 0.0, None)
+    for j, n in enumerate(prompts):
+        s.submit(f"s{decodes + j}", 0, n, 4 * n, 0.0, None)
+    return s.plan(prefill_budget=budget)
+
+
 def quota_that_refused(s: Scheduler[None, None], before: dict[str, int]) -> str | None:
     """The per-owner quota whose refusal count grew since `before` (a copy of `s.quota_refused`)."""
     grew = [q for q in ("sessions", "waiting") if s.quota_refused[q] > before.get(q, 0)]
@@ -536,17 +548,7 @@ def test_row_alignment_only_moves_a_few_rows_of_an_unfinished_prompt_to_the_next
     stops short of its step's end holds a multiple of `multiple` rows unless that chunk is smaller
     than what would be cut."""
     cfg = replace(CFG, max_sessions=8, kv_cells=1024, n_batch=64, max_prefill_tokens=24)
-    plans = []
-    for m in (1, multiple):
-        s = Scheduler[None, None](replace(cfg, row_multiple=m))
-        for i in range(decodes + len(prompts)):
-            opened(s, f"s{i}", max_tokens=48, seq=i)
-        for i in range(decodes):
-            s.submit(f"s{i}", 0, 1, 4, 0.0, None)
-        for j, n in enumerate(prompts):
-            s.submit(f"s{decodes + j}", 0, n, 4 * n, 0.0, None)
-        plans.append(s.plan(prefill_budget=budget))
-    plain, aligned = plans
+    plain, aligned = (planned(replace(cfg, row_multiple=m), decodes, prompts, budget) for m in (1, multiple))
     assert plain is not None and aligned is not None
     assert [(c.key, c.completes) for c in plain.chunks] == [(c.key, c.completes) for c in aligned.chunks]
     moved = plain.calls[0].rows - aligned.calls[0].rows
@@ -610,17 +612,7 @@ def test_fillers_change_no_call_but_its_padding(
     """Against the same scheduler without row blocks: the same calls of the same chunks, each with
     the fillers its rows ask for, never past n_batch."""
     cfg = replace(CFG, max_sessions=16, kv_cells=2048, n_batch=32, max_prefill_tokens=24, micro_batches=micro_batches)
-    plans = []
-    for blocks in ((), (16, 4)):
-        s = Scheduler[None, None](replace(cfg, row_blocks=blocks))
-        for i in range(decodes + len(prompts)):
-            opened(s, f"s{i}", max_tokens=48, seq=i)
-        for i in range(decodes):
-            s.submit(f"s{i}", 0, 1, 4, 0.0, None)
-        for j, n in enumerate(prompts):
-            s.submit(f"s{decodes + j}", 0, n, 4 * n, 0.0, None)
-        plans.append(s.plan(prefill_budget=budget))
-    plain, filled = plans
+    plain, filled = (planned(replace(cfg, row_blocks=b), decodes, prompts, budget) for b in ((), (16, 4)))
     if plain is None:
         assert filled is None
         return
