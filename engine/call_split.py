@@ -25,6 +25,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 EMA = 0.2  # weight of the newest sample in a size's running cost
+RECHECK_EVERY = 32  # decisions before a size first takes the other choice again
+MAX_RECHECK_EVERY = 512
+
+
+def observe_cost(costs: dict[int, float], rows: int, ms: float) -> None:
+    """Fold one call of `rows` rows into that size's running cost."""
+    old = costs.get(rows)
+    costs[rows] = ms if old is None else old + EMA * (ms - old)
+
+
+def rechecked(rechecks: dict[int, Recheck], rows: int, cheaper: bool) -> bool:
+    """`cheaper`, the measured choice for `rows`, except at that size's recheck: then the other."""
+    recheck = rechecks.setdefault(rows, Recheck(cheaper, RECHECK_EVERY, MAX_RECHECK_EVERY))
+    return cheaper != recheck.due(cheaper)
 
 
 @dataclass(slots=True)
@@ -36,13 +50,12 @@ class DecodeCallCosts:
 
     MIN_ROWS = 2  # fewer rows cannot be split
     MARGIN = 0.95  # split only for a clear gain: the halves within 95% of the whole call
-    RECHECK_EVERY = 32
-    MAX_RECHECK_EVERY = 512
+    RECHECK_EVERY = RECHECK_EVERY
+    MAX_RECHECK_EVERY = MAX_RECHECK_EVERY
 
     def observe(self, rows: int, ms: float) -> None:
         """Record one decode-only call of `rows` rows (every row one session's next token)."""
-        old = self.ms.get(rows)
-        self.ms[rows] = ms if old is None else old + EMA * (ms - old)
+        observe_cost(self.ms, rows, ms)
 
     def halves(self, rows: int) -> bool:
         """Whether an iteration of `rows` decode rows should run as two calls (of `split_at(rows)`
@@ -53,9 +66,7 @@ class DecodeCallCosts:
         second = rows - first
         if first not in self.ms or second not in self.ms:
             return True  # measure the halves once
-        cheaper = self.ms[first] + self.ms[second] < self.MARGIN * self.ms[rows]
-        recheck = self.rechecks.setdefault(rows, Recheck(cheaper, self.RECHECK_EVERY, self.MAX_RECHECK_EVERY))
-        return cheaper != recheck.due(cheaper)
+        return rechecked(self.rechecks, rows, self.ms[first] + self.ms[second] < self.MARGIN * self.ms[rows])
 
 
 @dataclass(slots=True)

@@ -123,7 +123,8 @@ class Executor:
         self.telemetry.record_batch(time.monotonic(), call.rows, prefill_rows, decode_rows, seconds)
         self.telemetry.padding_rows_total += call.pad_rows
         if decode_rows and not prefill_rows:
-            self.fillers.observe(decode_rows, call.pad_rows > 0, seconds * 1000)
+            if self.scheduler.config.row_blocks:
+                self.fillers.observe(decode_rows, call.pad_rows > 0, seconds * 1000)
             if self.halves is not None:
                 self.call_costs.observe(decode_rows, seconds * 1000)
         if plan.halved:  # the sessions of both calls wait for both: one gap, seen once

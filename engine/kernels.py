@@ -63,12 +63,10 @@ INVARIANT_PAD_ROWS = {"repack": 8, "plain": 8, "amx": 8}
 
 # The row blocks a call's weight matrices take, largest first, per kernel path. Repacked
 # matrices take rows 16 at a time, then 4 at a time, and run each leftover row as a
-# matrix-vector product of its own (ggml-cpu's repack gemm on x86 and ARM): each block and
-# each leftover row reads the whole matrix. On the Llama-3.2-1B shape, repack, 2 threads, one
-# call: 15 rows 296 ms, 16 rows 258; 31 rows 450, 32 rows 361; 60-63 rows 736-805, 64 rows
-# 594. A call the budget cuts short ends at a multiple of the largest block, and a call gets
-# filler rows where they save passes (engine/scheduler.py, engine/row_blocks.py). The plain
-# and AMX paths are not measured for it: no blocks.
+# matrix-vector product of its own (ggml-cpu's repack gemm on x86 and ARM; costs measured in
+# engine/row_blocks.py). A call the budget cuts short ends at a multiple of the largest block,
+# and a call gets filler rows where they save passes (engine/scheduler.py). The plain and AMX
+# paths are not measured for it: no blocks.
 CALL_ROW_BLOCKS: dict[str, tuple[int, ...]] = {"repack": (16, 4), "plain": (), "amx": ()}
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.call_split import EMA, Recheck
+from engine.call_split import MAX_RECHECK_EVERY, RECHECK_EVERY, Recheck, observe_cost, rechecked
 
 
 def weight_passes(rows: int, blocks: tuple[int, ...]) -> int:
@@ -56,14 +56,12 @@ class MeasuredFillers:
     bare_ms: dict[int, float] = field(default_factory=dict)  # and without
     rechecks: dict[int, Recheck] = field(default_factory=dict)
 
-    RECHECK_EVERY = 32
-    MAX_RECHECK_EVERY = 512
+    RECHECK_EVERY = RECHECK_EVERY
+    MAX_RECHECK_EVERY = MAX_RECHECK_EVERY
 
     def observe(self, rows: int, filled: bool, ms: float) -> None:
         """Record one call of `rows` decodes and nothing else, run with fillers or without."""
-        table = self.filled_ms if filled else self.bare_ms
-        old = table.get(rows)
-        table[rows] = ms if old is None else old + EMA * (ms - old)
+        observe_cost(self.filled_ms if filled else self.bare_ms, rows, ms)
 
     def pays(self, rows: int) -> bool:
         """Whether a call of `rows` decodes, offered fillers, takes them."""
@@ -71,6 +69,4 @@ class MeasuredFillers:
             return True
         if rows not in self.bare_ms:
             return False
-        cheaper = self.filled_ms[rows] < self.bare_ms[rows]
-        recheck = self.rechecks.setdefault(rows, Recheck(cheaper, self.RECHECK_EVERY, self.MAX_RECHECK_EVERY))
-        return cheaper != recheck.due(cheaper)
+        return rechecked(self.rechecks, rows, self.filled_ms[rows] < self.bare_ms[rows])

@@ -308,13 +308,21 @@ def _halved(groups: list[tuple[Chunk, ...]], halves: Callable[[int], bool]) -> l
     return calls
 
 
-def _filled(call: Call, cfg: SchedulerConfig, fillers_pay: Callable[[int], bool] | None) -> Call:
-    """The call with the filler rows its row blocks offer, unless `fillers_pay` (asked for a call
-    of only decodes) says they do not pay."""
-    n = filler_rows(call.rows, cfg.row_blocks, cfg.n_batch)
-    if n == 0 or (fillers_pay is not None and not fillers_pay(call.rows)):
-        return call
-    return replace(call, pad_rows=n)
+def _with_fillers(
+    calls: list[Call], decoding: set[SessionKey], cfg: SchedulerConfig, fillers_pay: Callable[[int], bool] | None
+) -> list[Call]:
+    """Each call with the filler rows its row blocks offer, unless `fillers_pay` (asked for a call
+    of only decodes, whose sessions are all in `decoding`) says they do not pay."""
+
+    def filled(call: Call) -> Call:
+        n = filler_rows(call.rows, cfg.row_blocks, cfg.n_batch)
+        if n == 0:
+            return call
+        if fillers_pay is not None and all(c.key in decoding for c in call.chunks) and not fillers_pay(call.rows):
+            return call
+        return replace(call, pad_rows=n)
+
+    return [filled(call) for call in calls]
 
 
 def _step_refusal(
@@ -621,8 +629,8 @@ class Scheduler(Generic[StepPayload, OpenPayload]):
                 halved = len(calls) > len(groups)
             else:
                 calls = [Call(group) for group in groups]
-            decoding = {c.key for c in decode_chunks}
-            calls = [_filled(c, cfg, fillers_pay if all(k.key in decoding for k in c.chunks) else None) for c in calls]
+            if cfg.row_blocks:
+                calls = _with_fillers(calls, {c.key for c in decode_chunks}, cfg, fillers_pay)
         if not calls:
             return None
         self.iteration += 1
