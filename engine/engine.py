@@ -383,7 +383,8 @@ class Engine:
         sessions, coming_back = self.scheduler.sessions, self.sessions.coming_back
         running = {sessions[c.key].group for c in plan.chunks}
         late = {key for key in coming_back if key not in sessions or sessions[key].group in running}
-        self.telemetry.late_sessions_total += sum(1 for key in late if key in sessions)
+        # A session opened but never stepped is not late: only one whose answer went out is.
+        self.telemetry.late_sessions_total += sum(1 for key in late if key in sessions and sessions[key].length > 0)
         coming_back -= late
 
     def _housekeeping(self) -> None:

@@ -80,6 +80,11 @@ class Sessions:
     def bind(self, opening: Opening, session: Session[Work]) -> None:
         """Give an admitted session its sequence, and its requester the news."""
         session.seq = self.backend.open_sequence(opening.request.sampling)
+        if self.backend.info.first and self.scheduler.config.micro_batches == 1:
+            # Its requester sends the first step on this news: linger for it as for an answered
+            # session's, so sessions opened together prefill together. (A chain's head holds a
+            # group up to a step for its members; it does not wait so long for a newcomer.)
+            self.coming_back.add(session.key)
         self.telemetry.admissions_total += 1
         self.telemetry.kv_reserved_peak = max(self.telemetry.kv_reserved_peak, self.scheduler.kv_reserved)
         try:

@@ -766,6 +766,34 @@ async def test_a_chains_head_does_not_hold_a_group_for_a_session_whose_prompt_it
         assert engine.stats()["late_sessions_total"] == late
 
 
+@pytest.mark.parametrize(("micro_batches", "together"), [(1, True), (2, False)])
+async def test_sessions_opened_together_prefill_together(
+    micro_batches: int, together: bool, tiny_model: Path, mock_clock: trio.testing.MockClock
+) -> None:
+    """A single node lingers for a session it just opened as for one it just answered: its
+    requester's first step follows the news, so prompts that come a moment apart share a call.
+    A chain's head does not hold a group for a newcomer. Trio's clock stands still here (no
+    linger ends by time): the second step comes while the first waits, or after it ran alone."""
+    async with open_engine(config(tiny_model, micro_batches=micro_batches)) as engine:
+        for name in ("a", "b"):
+            assert isinstance(await engine.request(OpenRequest("c", name, 32)), Opened)
+        assert engine.sessions.expects(("c", "b")) is together
+        answers: list[object] = []
+
+        async def step(name: str) -> None:
+            answers.append(await engine.request(StepRequest("c", name, 0, Output.TOKEN, tokens([1, 5, 9]))))
+            engine.steps_ended("c", name)  # no next step: the loop stops lingering for it
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(step, "a")
+            await trio.testing.wait_all_tasks_blocked()  # "a" waits in the linger, or in its call
+            nursery.start_soon(step, "b")
+        assert all(isinstance(a, StepDone) for a in answers)
+        prefills = [sorted(chunk[0][1] for chunk in r.chunks) for r in engine.iterations]
+        assert (["a", "b"] in prefills) is together
+        assert engine.stats()["late_sessions_total"] == 0  # a newcomer that has not stepped is not late
+
+
 def no_kv_slot_for(engine: Engine, fails: Callable[[list[Segment]], bool]) -> list[int]:
     """Make llama_decode answer 1 (no KV slot; nothing written) for the calls `fails` picks.
 
