@@ -50,8 +50,6 @@ class DecodeCallCosts:
 
     MIN_ROWS = 2  # fewer rows cannot be split
     MARGIN = 0.95  # split only for a clear gain: the halves within 95% of the whole call
-    RECHECK_EVERY = RECHECK_EVERY
-    MAX_RECHECK_EVERY = MAX_RECHECK_EVERY
 
     def observe(self, rows: int, ms: float) -> None:
         """Record one decode-only call of `rows` rows (every row one session's next token)."""

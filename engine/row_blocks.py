@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.call_split import MAX_RECHECK_EVERY, RECHECK_EVERY, Recheck, observe_cost, rechecked
+from engine.call_split import Recheck, observe_cost, rechecked
 
 
 def weight_passes(rows: int, blocks: tuple[int, ...]) -> int:
@@ -55,9 +55,6 @@ class MeasuredFillers:
     filled_ms: dict[int, float] = field(default_factory=dict)  # running cost by decode rows, with fillers
     bare_ms: dict[int, float] = field(default_factory=dict)  # and without
     rechecks: dict[int, Recheck] = field(default_factory=dict)
-
-    RECHECK_EVERY = RECHECK_EVERY
-    MAX_RECHECK_EVERY = MAX_RECHECK_EVERY
 
     def observe(self, rows: int, filled: bool, ms: float) -> None:
         """Record one call of `rows` decodes and nothing else, run with fillers or without."""

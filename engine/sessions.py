@@ -80,11 +80,9 @@ class Sessions:
     def bind(self, opening: Opening, session: Session[Work]) -> None:
         """Give an admitted session its sequence, and its requester the news."""
         session.seq = self.backend.open_sequence(opening.request.sampling)
-        if self.backend.info.first and self.scheduler.config.micro_batches == 1:
-            # Its requester sends the first step on this news: linger for it as for an answered
-            # session's, so sessions opened together prefill together. (A chain's head holds a
-            # group up to a step for its members; it does not wait so long for a newcomer.)
-            self.coming_back.add(session.key)
+        # Its requester sends the first step on this news: expected as after an answered prompt,
+        # so sessions opened together prefill together.
+        self.answered(session.key, decode=False)
         self.telemetry.admissions_total += 1
         self.telemetry.kv_reserved_peak = max(self.telemetry.kv_reserved_peak, self.scheduler.kv_reserved)
         try:
@@ -114,7 +112,9 @@ class Sessions:
         """A step of the session was answered: its next one is expected (for linger), and a
         decode's turnaround is timed (the group's rhythm; a prompt's is its own). A chain's
         head does not hold a group for a session whose prompt it just answered: the stages
-        below prefill that prompt before its next step comes. A stage fed by another expects
+        below prefill that prompt before its next step comes, and it does not hold one for a
+        session just opened either (`bind`: a group's wait is up to a step, too long for a
+        newcomer's first step). A stage fed by another expects
         nobody (its upstream sets the rhythm), so it counts nobody late either. Only a chain's
         head lingers by the turnaround, so only it times one."""
         first, groups = self.backend.info.first, self.scheduler.config.micro_batches

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.call_split import DecodeCallCosts, split_at
+from engine.call_split import MAX_RECHECK_EVERY, RECHECK_EVERY, DecodeCallCosts, split_at
 
 
 def measured(costs: dict[int, float]) -> DecodeCallCosts:
@@ -58,17 +58,17 @@ def test_where_calls_cost_a_fixed_part_plus_rows_splits_are_only_probes(
             rule.observe(rows, fixed + per_row * rows)
     for rows, n in splits.items():
         assert rows >= DecodeCallCosts.MIN_ROWS
-        assert n <= 1 + seen[rows] // DecodeCallCosts.RECHECK_EVERY
+        assert n <= 1 + seen[rows] // RECHECK_EVERY
 
 
 def recheck_positions(decisions: int) -> set[int]:
     """Where rechecks fall while the choice stays: RECHECK_EVERY decisions in, then twice as
     far apart each time, never further than MAX_RECHECK_EVERY."""
-    at, every, positions = 0, DecodeCallCosts.RECHECK_EVERY, set()
+    at, every, positions = 0, RECHECK_EVERY, set()
     while at + every <= decisions:
         at += every
         positions.add(at)
-        every = min(2 * every, DecodeCallCosts.MAX_RECHECK_EVERY)
+        every = min(2 * every, MAX_RECHECK_EVERY)
     return positions
 
 
@@ -91,5 +91,5 @@ def test_rechecks_come_soon_again_once_the_choice_changes() -> None:
     assert steady == len(recheck_positions(1000)) == 5  # at 32, 96, 224, 480 and 992
     for _ in range(20):
         rule.observe(4, 60.0)  # the halves got cheap: 120 ms against 200
-    choices = [rule.halves(8) for _ in range(DecodeCallCosts.RECHECK_EVERY)]
-    assert choices == [True] * (DecodeCallCosts.RECHECK_EVERY - 1) + [False]
+    choices = [rule.halves(8) for _ in range(RECHECK_EVERY)]
+    assert choices == [True] * (RECHECK_EVERY - 1) + [False]

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from engine.call_split import RECHECK_EVERY
 from engine.row_blocks import MeasuredFillers, filler_rows, weight_passes
 
 REPACK = (16, 4)
@@ -62,8 +63,8 @@ def test_a_decode_call_measures_both_shapes_then_keeps_the_cheaper_and_rechecks_
     fillers.observe(7, True, 190.0)
     assert not fillers.pays(7)
     fillers.observe(7, False, 180.0)
-    choices = [fillers.pays(7) for _ in range(MeasuredFillers.RECHECK_EVERY)]
-    assert choices == [False] * (MeasuredFillers.RECHECK_EVERY - 1) + [True]
+    choices = [fillers.pays(7) for _ in range(RECHECK_EVERY)]
+    assert choices == [False] * (RECHECK_EVERY - 1) + [True]
     fillers.observe(3, True, 105.0)
     fillers.observe(3, False, 121.0)
     assert fillers.pays(3), "each size is measured on its own"
