@@ -7,7 +7,9 @@ running) it moves the backlog into a bounded Trio memory channel, awaiting `send
 the channel is full. So the bound holds without losing anything: a slow consumer slows
 the engine down, it never makes it drop an end. The backlog between two safe points is
 bounded by what one iteration can free (every open session at most once, one answer per
-close request).
+close request), and by the buffer's size: an iteration that lingers for requests (sessions
+opened and closed meanwhile free a slot again and again) stops lingering once the backlog
+holds a channel's worth (`due`).
 
 The consumer must never wait for the engine (an `Engine.request`, say) while the channel
 may be full: it only drains and reacts with non-blocking calls (`cleanup_nowait`), or the
@@ -36,6 +38,7 @@ class SessionEnds:
 
     def __init__(self, buffer: int = SESSION_ENDS_BUFFER) -> None:
         self._send, self._receive = trio.open_memory_channel[SessionEnd](buffer)
+        self._buffer = buffer
         self._backlog: deque[SessionEnd] = deque()
         self._subscribed = False
 
@@ -52,6 +55,12 @@ class SessionEnds:
     @property
     def backlog(self) -> int:
         return len(self._backlog)
+
+    @property
+    def due(self) -> bool:
+        """Whether the backlog holds a channel's worth: the engine must reach its safe point
+        before it takes more requests."""
+        return len(self._backlog) >= self._buffer
 
     async def flush(self) -> None:
         """Move the backlog into the channel, waiting for room while it is full."""

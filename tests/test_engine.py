@@ -459,9 +459,14 @@ async def test_every_freed_session_ends_once_on_the_channel(tiny_model: Path) ->
     ]
 
 
-async def test_a_slow_consumer_of_session_ends_slows_the_engine_and_loses_nothing(tiny_model: Path) -> None:
+async def test_a_slow_consumer_of_session_ends_slows_the_engine_and_loses_nothing(
+    tiny_model: Path, mock_clock: trio.testing.MockClock
+) -> None:
     """The channel holds SESSION_ENDS_BUFFER ends; past that the engine waits for its consumer
-    (at a safe point of its loop) instead of dropping any."""
+    (at a safe point of its loop) instead of dropping any. Lingering for the sessions it opens
+    (which come and go meanwhile) ends once a channel's worth of ends waits: Trio's clock
+    stands still until the consumer is let go, so no linger ends by time, and an engine that
+    lingered on would take every open before it waited."""
     ends: list[SessionEnd] = []
     opened: list[int] = []
     go = trio.Event()
@@ -476,21 +481,21 @@ async def test_a_slow_consumer_of_session_ends_slows_the_engine_and_loses_nothin
             opened.append(i)
             engine.cleanup_nowait(CloseRequest("c", f"s{i}"))  # each: a SessionEnded and a CloseAnswered
 
-    n = SESSION_ENDS_BUFFER  # twice the buffer's worth of ends
+    n = 3 * SESSION_ENDS_BUFFER  # six buffers' worth of ends
     async with trio.open_nursery() as nursery, open_engine(config(tiny_model)) as engine:
         channel = engine.session_ends
         nursery.start_soon(consume, channel)
         async with trio.open_nursery() as producers:
             producers.start_soon(churn, engine, n)
-            await wait_until(
-                lambda: (
-                    channel.statistics().current_buffer_used == SESSION_ENDS_BUFFER
-                    and engine._ends.backlog > 0  # ends it could not hand over yet: it waits for room...
-                    and engine._inbox.receiver.statistics().current_buffer_used == 1
-                )  # ... and takes no request meanwhile
-            )
-            assert len(opened) < n
-            go.set()
+            await trio.testing.wait_all_tasks_blocked()  # opens and closes run no llama.cpp call
+            try:
+                assert channel.statistics().current_buffer_used == SESSION_ENDS_BUFFER
+                assert 0 < engine._ends.backlog <= SESSION_ENDS_BUFFER + 4  # it waits for room...
+                assert engine._inbox.receiver.statistics().current_buffer_used == 1  # ... and takes no request
+                assert len(opened) < n
+            finally:
+                go.set()
+                mock_clock.rate = 1  # lingers end by time again (and a failed test ends)
         await engine.cleanup(CloseRequest("c", "last"))
         await wait_until(lambda: len(ends) == 2 * n + 1)
     expected: list[SessionEnd] = []
