@@ -10,7 +10,10 @@ of tokens) through `POST /v1/completions` with `stream: true`, from concurrent c
 closed loop. Measured per concurrency: aggregate completion tokens per second over the wall
 time (prefill included; tokens from each response's `usage`), time to the first streamed
 text, and the gaps between streamed chunks (one chunk per token from llama-server; the
-gateway sends what the node delivered together, usually one token). The node driven directly
+gateway sends what the node delivered together, usually one token). At each concurrency every
+system runs `rounds` times, the order rotated each round, and its row is its median round by
+tok/s (every round's tok/s is kept beside it): one short run per point moves with whatever
+else the machine does. The node driven directly
 (open, a streamed server-side `generate`, close; token ids, no text) is what the gateway in
 front of it should cost nothing against; each gateway's node calls per request, by op, come
 from its /metrics. Writes JSON to `.bench/` (or `--out`).
@@ -55,11 +58,12 @@ class Plan:
     kv_cells: int
     ctx_per_slot: int
     per_client: int = 0  # at concurrency c, the first per_client x c requests (0: all of them)
+    rounds: int = 1  # every system this many times at each concurrency, in rotated order
 
 
 FULL = Plan(
     requests=16, max_new=32, max_prompt=256, concurrencies=(1, 2, 4, 8, 16), kv_cells=4096, ctx_per_slot=512,
-    per_client=4,
+    per_client=4, rounds=3,
 )  # fmt: skip
 QUICK = Plan(requests=16, max_new=8, max_prompt=64, concurrencies=(1, 2, 4, 8, 16), kv_cells=2048, ctx_per_slot=256)
 
@@ -226,13 +230,46 @@ async def workload(node: str, plan: Plan) -> list[Request]:
     return make_requests(corpus, plan.requests, plan.max_new, seed=12, max_prompt=plan.max_prompt, bos=bos)
 
 
+def measure_concurrency(
+    urls: dict[str, str], model: str, share: list[Request], concurrency: int, rounds: int
+) -> dict[str, dict[str, Any]]:
+    """Every system's median round (by tok/s) at one concurrency, with each round's tok/s."""
+    systems = list(urls.items())
+    seen: dict[str, list[dict[str, Any]]] = {system: [] for system, _ in systems}
+    for k in range(rounds):
+        for system, url in systems[k % len(systems) :] + systems[: k % len(systems)]:
+            if system == DIRECT:
+                row = trio.run(direct_loop, url, share, concurrency)
+            else:
+                row = trio.run(closed_loop, url, model, share, concurrency)
+            seen[system].append(row)
+            print(
+                f"{system:28} c={concurrency:<3} {row['tok_s']:8.2f} tok/s  TTFT p50/p99 {row['ttft_p50_ms']}/"
+                f"{row['ttft_p99_ms']} ms  ITL p50/p99 {row['itl_p50_ms']}/{row['itl_p99_ms']} ms"
+                + (f"  (round {k + 1} of {rounds})" if rounds > 1 else ""),
+                flush=True,
+            )
+    return {system: median_round(rows) for system, rows in seen.items()}
+
+
+def median_round(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The round with the median tok/s (the lower middle of an even count), with every round's tok/s."""
+    middle = sorted(rows, key=lambda row: row["tok_s"])[(len(rows) - 1) // 2]
+    return {**middle, "rounds_tok_s": [row["tok_s"] for row in rows]}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="the tiny test model, few tokens: a check that it runs")
     parser.add_argument("--out", type=Path, help="JSON results (default: .bench/gateway[-quick].json)")
     parser.add_argument("--concurrency", help="only these concurrencies, separated by commas (e.g. 1,8)")
+    parser.add_argument("--rounds", type=int, help="runs of every system at each concurrency (default: 3; quick: 1)")
     args = parser.parse_args()
     plan = QUICK if args.quick else FULL
+    if args.rounds is not None:
+        if args.rounds < 1:
+            parser.error("--rounds is at least 1")
+        plan = replace(plan, rounds=args.rounds)
     if args.concurrency:
         plan = replace(plan, concurrencies=tuple(int(c) for c in args.concurrency.split(",")))
     model = model_for(args.quick)
@@ -243,19 +280,10 @@ def main() -> int:
         requests = trio.run(workload, single, plan)
         for c in plan.concurrencies:  # systems interleaved at each concurrency: drift hits all alike
             share = first_per_client(requests, plan.per_client, c)
-            for system, url in urls.items():
-                if system == DIRECT:
-                    row = trio.run(direct_loop, url, share, c)
-                else:
-                    row = trio.run(closed_loop, url, model.stem, share, c)
+            for system, row in measure_concurrency(urls, model.stem, share, c, plan.rounds).items():
                 results.setdefault(system, []).append(row)
-                print(
-                    f"{system:28} c={c:<3} {row['tok_s']:8.2f} tok/s  TTFT p50/p99 {row['ttft_p50_ms']}/"
-                    f"{row['ttft_p99_ms']} ms  ITL p50/p99 {row['itl_p50_ms']}/{row['itl_p99_ms']} ms",
-                    flush=True,
-                )
         calls = {s: trio.run(node_calls, u) for s, u in urls.items() if s.startswith("gateway")}
-    served = sum(len(first_per_client(requests, plan.per_client, c)) for c in plan.concurrencies)
+    served = plan.rounds * sum(len(first_per_client(requests, plan.per_client, c)) for c in plan.concurrencies)
     per_request = {s: {op: round(n / served, 3) for op, n in c.items()} for s, c in calls.items()}
     print(f"node calls per request (/metrics, the gateway's own scrapes included): {per_request}", flush=True)
     ratios = {

@@ -259,6 +259,16 @@ def _gateway_share(plan: dict[str, Any]) -> str:
     return f"first {k}c of {n} requests at concurrency c" if k else f"{n} requests"
 
 
+def _gateway_rounds(plan: dict[str, Any]) -> str:
+    rounds = plan.get("rounds", 1)
+    if rounds <= 1:
+        return ""
+    return (
+        f" Every system ran {rounds} times at each concurrency, in rotated order; a row is its median "
+        "round by tok/s (`rounds_tok_s` in the JSON holds each round's)."
+    )
+
+
 def _ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.2f}" if a and b else "–"
 
@@ -592,7 +602,8 @@ def _gateway(r: dict[str, Any]) -> str:
         f"{_gateway_share(plan)} (token-id prompts up to {plan['max_prompt']} tokens, "
         f"{plan['max_new']} tokens each, greedy, end-of-text ignored) through `POST /v1/completions` "
         "with `stream: true`, from concurrent clients in a closed loop, a new HTTP connection per request. "
-        "Aggregate tok/s counts completion tokens over wall time; TTFT is the first streamed text.",
+        "Aggregate tok/s counts completion tokens over wall time; TTFT is the first streamed text."
+        + _gateway_rounds(plan),
         "",
         table(["system", "c", "tok/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99"], rows),
     ]
