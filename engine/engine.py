@@ -372,16 +372,11 @@ class Engine:
             await self._take_while(lambda: self._bursts.settle_gap_s(sessions, trio.current_time()), limit)
 
     async def _take_while(self, gap_s: Callable[[], float | None], limit_s: float) -> None:
-        """Take requests while `gap_s` waits for more, and until the session ends waiting for
-        the safe point fill the channel (their bound holds while lingering, too)."""
-
-        def gap_until_ends_due() -> float | None:
-            return None if self._ends.due else gap_s()
-
-        if limit_s <= 0 or gap_until_ends_due() is None:
+        gap_s = self._ends.until_due(gap_s)  # the ends' bound holds while lingering, too
+        if limit_s <= 0 or gap_s() is None:
             return
         started = time.perf_counter()
-        await take_while(self._inbox.receiver, lambda got: self._take(*got), gap_until_ends_due, limit_s)
+        await take_while(self._inbox.receiver, lambda got: self._take(*got), gap_s, limit_s)
         self.telemetry.linger_seconds_total += time.perf_counter() - started
 
     def _forget_late(self, plan: Plan) -> None:

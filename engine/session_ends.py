@@ -9,7 +9,7 @@ the engine down, it never makes it drop an end. The backlog between two safe poi
 bounded by what one iteration can free (every open session at most once, one answer per
 close request), and by the buffer's size: an iteration that lingers for requests (sessions
 opened and closed meanwhile free a slot again and again) stops lingering once the backlog
-holds a channel's worth (`due`).
+holds a channel's worth (`due`, `until_due`).
 
 The consumer must never wait for the engine (an `Engine.request`, say) while the channel
 may be full: it only drains and reacts with non-blocking calls (`cleanup_nowait`), or the
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 
 import trio
 
@@ -61,6 +62,10 @@ class SessionEnds:
         """Whether the backlog holds a channel's worth: the engine must reach its safe point
         before it takes more requests."""
         return len(self._backlog) >= self._buffer
+
+    def until_due(self, gap_s: Callable[[], float | None]) -> Callable[[], float | None]:
+        """`gap_s` (how long to wait for the next request), but None (stop waiting) once `due`."""
+        return lambda: None if self.due else gap_s()
 
     async def flush(self) -> None:
         """Move the backlog into the channel, waiting for room while it is full."""
