@@ -93,6 +93,35 @@ def split_exactness(model: Path, prompts: list[list[int]], steps: int) -> dict[s
     return result
 
 
+def sweep_point(backend: StageBackend, bare: BareLoop, concurrency: int, reps: int, steps: int) -> dict[str, Any]:
+    """The backend against the bare loop at one concurrency, interleaved `reps` times."""
+    prompts = prompt_tokens(backend, concurrency)
+    bare_runs, backend_runs, outside, same_tokens = [], [], [], True
+    for rep, side in interleaved(reps, ("bare", "backend")):
+        if side == "bare":
+            rate, bare_tokens = bare.decode_rate(prompts, steps)
+            bare_runs.append(rate)
+        else:
+            rate, share, our_tokens = backend_decode_rate(backend, prompts, steps)
+            backend_runs.append(rate)
+            outside.append(share)
+        if side == ("backend", "bare")[rep % 2]:  # the repetition's second side: both sides' tokens are in
+            same_tokens &= bare_tokens == our_tokens
+    return {
+        "concurrency": concurrency,
+        "backend_tok_s": round(best_of(backend_runs), 2),
+        "bare_tok_s": round(best_of(bare_runs), 2),
+        # Median of paired ratios: adjacent runs share the machine's momentary load.
+        "ratio": round(paired_ratio(backend_runs, bare_runs), 3),
+        "backend_runs": [round(r, 2) for r in backend_runs],
+        "bare_runs": [round(r, 2) for r in bare_runs],
+        "tokens_equal_bare": same_tokens,
+        # Share of the backend's step time spent outside llama_decode (Python, sampling, copies);
+        # the bare loop pays for the same sampling.
+        "outside_decode_share": round(float(np.median(outside)), 4),
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=64, help="decode steps timed per run")
@@ -104,34 +133,8 @@ def main() -> int:
     bare = BareLoop(model, CONFIG)
     results = []
     for concurrency in (1, 2, 4, 8):
-        prompts = prompt_tokens(backend, concurrency)
-        bare_runs, backend_runs, outside, same_tokens = [], [], [], True
-        for rep, side in interleaved(args.reps, ("bare", "backend")):
-            if side == "bare":
-                rate, bare_tokens = bare.decode_rate(prompts, args.steps)
-                bare_runs.append(rate)
-            else:
-                rate, share, our_tokens = backend_decode_rate(backend, prompts, args.steps)
-                backend_runs.append(rate)
-                outside.append(share)
-            if side == ("backend", "bare")[rep % 2]:  # the repetition's second side: both sides' tokens are in
-                same_tokens &= bare_tokens == our_tokens
-        ours, theirs = round(best_of(backend_runs), 2), round(best_of(bare_runs), 2)
-        row: dict[str, Any] = {
-            "concurrency": concurrency,
-            "backend_tok_s": ours,
-            "bare_tok_s": theirs,
-            # Median of paired ratios: adjacent runs share the machine's momentary load.
-            "ratio": round(paired_ratio(backend_runs, bare_runs), 3),
-            "backend_runs": [round(r, 2) for r in backend_runs],
-            "bare_runs": [round(r, 2) for r in bare_runs],
-            "tokens_equal_bare": same_tokens,
-            # Share of the backend's step time spent outside llama_decode (Python, sampling, copies);
-            # the bare loop pays for the same sampling.
-            "outside_decode_share": round(float(np.median(outside)), 4),
-        }
-        results.append(row)
-        print(table([row], COLUMNS), flush=True)
+        results.append(sweep_point(backend, bare, concurrency, args.reps, args.steps))
+        print(table([results[-1]], COLUMNS), flush=True)
     bare.close()
     backend.close()
 

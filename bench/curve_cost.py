@@ -93,6 +93,23 @@ async def measure(
     return runs
 
 
+def start_systems(
+    procs: Processes, model: Path, shards: list[Path], keys: Keys
+) -> dict[str, dict[str, tuple[str, ClientKeys]]]:
+    """A single node and a 2-stage chain, each plain and with CURVE: {system: {kind: (address, client keys)}}."""
+    single_plain = start(procs, "single-plain", model, 2, [])
+    single_curve = start(procs, "single-curve", model, 2, keys.serve("single", "client"))
+    tail_plain = start(procs, "tail-plain", shards[1], 1, [])
+    head_plain = start(procs, "head-plain", shards[0], 1, ["--next", tail_plain])
+    tail_curve = start(procs, "tail-curve", shards[1], 1, keys.serve("tail", "head"))
+    chained = ["--next", tail_curve, "--next-key", keys.public("tail")]
+    head_curve = start(procs, "head-curve", shards[0], 1, [*keys.serve("head", "client"), *chained])
+    return {
+        "single": {"plain": (single_plain, None), "curve": (single_curve, keys.client("single"))},
+        "chain2": {"plain": (head_plain, None), "curve": (head_curve, keys.client("head"))},
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=4)
@@ -114,17 +131,7 @@ def main() -> int:
     keys = Keys(work / "keys")
 
     with open_processes(work / "logs") as procs:
-        single_plain = start(procs, "single-plain", model, 2, [])
-        single_curve = start(procs, "single-curve", model, 2, keys.serve("single", "client"))
-        tail_plain = start(procs, "tail-plain", shards[1], 1, [])
-        head_plain = start(procs, "head-plain", shards[0], 1, ["--next", tail_plain])
-        tail_curve = start(procs, "tail-curve", shards[1], 1, keys.serve("tail", "head"))
-        chained = ["--next", tail_curve, "--next-key", keys.public("tail")]
-        head_curve = start(procs, "head-curve", shards[0], 1, [*keys.serve("head", "client"), *chained])
-        systems = {
-            "single": {"plain": (single_plain, None), "curve": (single_curve, keys.client("single"))},
-            "chain2": {"plain": (head_plain, None), "curve": (head_curve, keys.client("head"))},
-        }
+        systems = start_systems(procs, model, shards, keys)
         runs = trio.run(measure, systems, args.reps, args.steps)
         stopped = {name: procs.stop(name) for name in list(procs.running)}
 

@@ -476,7 +476,8 @@ def with_options(plan: Plan, args: argparse.Namespace, parser: argparse.Argument
     return plan
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (`python -m bench.multihost --help`)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="the tiny test model, few requests: checks it works")
     parser.add_argument("--out", type=Path, required=True, help="where to write the JSON result")
@@ -497,6 +498,11 @@ def main() -> int:
         default=f"{os.getpid() % 65536:04x}",
         help="names the namespaces nt-TAG-HOST and links ntTAG-l*: at most 4 characters",
     )
+    return parser
+
+
+def main() -> int:
+    parser = build_parser()
     args = parser.parse_args()
     if not 1 <= len(args.tag) <= 4 or not args.tag.isalnum():
         parser.error("--tag: 1 to 4 letters or digits")

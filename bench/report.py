@@ -601,23 +601,34 @@ def main() -> int:
         **payload,
     }
     report["saturation"] = saturation(report["runs"])
-    plan.out_dir.mkdir(parents=True, exist_ok=True)
-    (plan.out_dir / "bench.json").write_text(json.dumps(report, indent=1) + "\n")
-    plots.draw_all(report, plan.out_dir)
-    (plan.out_dir / "README.md").write_text(report_markdown.render(report))
-    say(f"report: {shown(plan.out_dir)}/README.md, bench.json, {', '.join(plots.FILES)}")
-    failures = []
-    if report["crashes"]:
-        failures.append("crashed: " + ", ".join(f"{c['name']} ({c['reason']})" for c in report["crashes"]))
-    if report["mismatches"]:
-        failures.append(f"{report['mismatches']} bit-exact mismatches")
-    admission = report["admission"]
-    if admission and (admission["incomplete_sessions"] or admission["tokens_received"] != admission["tokens_expected"]):
-        failures.append("lost sessions in the burst")
-    if failures:
-        print(f"FAILED: {'; '.join(failures)}", file=sys.stderr)
+    write_report(report, plan.out_dir)
+    failed = failures(report)
+    if failed:
+        print(f"FAILED: {'; '.join(failed)}", file=sys.stderr)
         return 1
     return 0
+
+
+def write_report(report: dict[str, Any], out_dir: Path) -> None:
+    """bench.json, the plots and the README of one report."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "bench.json").write_text(json.dumps(report, indent=1) + "\n")
+    plots.draw_all(report, out_dir)
+    (out_dir / "README.md").write_text(report_markdown.render(report))
+    say(f"report: {shown(out_dir)}/README.md, bench.json, {', '.join(plots.FILES)}")
+
+
+def failures(report: dict[str, Any]) -> list[str]:
+    """What makes the report a failure: a crash, a bit-exact mismatch, a session lost in the burst."""
+    failed = []
+    if report["crashes"]:
+        failed.append("crashed: " + ", ".join(f"{c['name']} ({c['reason']})" for c in report["crashes"]))
+    if report["mismatches"]:
+        failed.append(f"{report['mismatches']} bit-exact mismatches")
+    admission = report["admission"]
+    if admission and (admission["incomplete_sessions"] or admission["tokens_received"] != admission["tokens_expected"]):
+        failed.append("lost sessions in the burst")
+    return failed
 
 
 if __name__ == "__main__":

@@ -374,19 +374,21 @@ def _corruption(r: dict[str, Any]) -> str:
     )
 
 
+def _agreement_row(label: str, per: list[dict[str, Any]]) -> list[str]:
+    """One run's sessions against their solo runs: how many identical, mean agreement, earliest parting."""
+    if not per:
+        return [label, "token ids not reported", "–", "–"]
+    equal = sum(1 for x in per if x["parts_at"] is None)
+    parts = [x["parts_at"] for x in per if x["parts_at"] is not None]
+    mean = sum(x["agree"] for x in per) / len(per)
+    return [label, f"{equal}/{len(per)}", f"{mean:.3f}", str(min(parts)) if parts else "–"]
+
+
 def _default_mode(r: dict[str, Any]) -> str:
     d = r["default_mode"]
     if d is None:
         return "## Default mode: agreement with the solo run\n\nNot run: the single node crashed (see above)."
-    rows = []
-    for label, per in d["agreement"].items():
-        if not per:
-            rows.append([label, "token ids not reported", "–", "–"])
-            continue
-        equal = sum(1 for x in per if x["parts_at"] is None)
-        parts = [x["parts_at"] for x in per if x["parts_at"] is not None]
-        mean = sum(x["agree"] for x in per) / len(per)
-        rows.append([label, f"{equal}/{len(per)}", f"{mean:.3f}", str(min(parts)) if parts else "–"])
+    rows = [_agreement_row(label, per) for label, per in d["agreement"].items()]
     tf = d["teacher_forced"]
     parts_at = {x["rid"]: x["parts_at"] for x in d["agreement"].get(f"{NODE} c=8", [])}
     tf_rows = []

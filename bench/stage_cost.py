@@ -130,6 +130,24 @@ def memory_table(files: dict[str, Path]) -> dict[str, dict[str, float]]:
     return table
 
 
+def split_row(
+    name: str, bounds: list[tuple[int, int]], median: dict[str, dict[int, float]], memory: dict[str, Any]
+) -> dict[str, Any]:
+    """One split's stages: their step times, the slowest, the efficiency bound it puts on a chain, memory."""
+    stages = {f"{a}:{b}": median[f"{name} {a}:{b}"] for a, b in bounds}
+    slowest = {r: max(s[r] for s in stages.values()) for r in ROWS}
+    bound = {r: round(median["whole"][r] / (len(bounds) * slowest[r]), 3) for r in ROWS}
+    print(f"{name:8} {bounds}  slowest stage {slowest} ms  efficiency bound {bound}", flush=True)
+    return {
+        "split": name,
+        "bounds": [list(b) for b in bounds],
+        "step_ms": stages,
+        "slowest_ms": slowest,
+        "efficiency_bound": bound,
+        "memory_mib": {f"{a}:{b}": memory[f"{name} {a}:{b}"] for a, b in bounds},
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stages", type=int, default=2)
@@ -154,22 +172,7 @@ def main() -> int:
         print(f"rep {rep + 1}/{args.reps} {key:14} {runs[key][-1]}", flush=True)
     median = {key: {r: round(statistics.median(x[r] for x in got), 2) for r in ROWS} for key, got in runs.items()}
     memory = memory_table(files)
-    rows: list[dict[str, Any]] = []
-    for name, bounds in splits.items():
-        stages = {f"{a}:{b}": median[f"{name} {a}:{b}"] for a, b in bounds}
-        slowest = {r: max(s[r] for s in stages.values()) for r in ROWS}
-        bound = {r: round(median["whole"][r] / (len(bounds) * slowest[r]), 3) for r in ROWS}
-        rows.append(
-            {
-                "split": name,
-                "bounds": [list(b) for b in bounds],
-                "step_ms": stages,
-                "slowest_ms": slowest,
-                "efficiency_bound": bound,
-                "memory_mib": {f"{a}:{b}": memory[f"{name} {a}:{b}"] for a, b in bounds},
-            }
-        )
-        print(f"{name:8} {bounds}  slowest stage {slowest} ms  efficiency bound {bound}", flush=True)
+    rows = [split_row(name, bounds, median, memory) for name, bounds in splits.items()]
     payload = {
         "model": model.name,
         "stages": args.stages,
