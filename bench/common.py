@@ -175,6 +175,15 @@ def interleaved(reps: int, sides: Sequence[T]) -> Iterator[tuple[int, T]]:
             yield rep, side
 
 
+def rotated(rounds: int, sides: Sequence[T]) -> Iterator[tuple[int, T]]:
+    """(round, side): every side once per round, the order rotated by one each round, so with
+    more than two sides each takes every place in turn (`interleaved` only reverses it)."""
+    for k in range(rounds):
+        shift = k % len(sides) if sides else 0
+        for side in [*sides[shift:], *sides[:shift]]:
+            yield k, side
+
+
 def best_of(values: Sequence[float]) -> float:
     return float(np.max(values))
 

@@ -33,7 +33,7 @@ from typing import Any
 import httpx
 import trio
 
-from bench.common import SHARDS, WORK, bench_model, command_line, shown
+from bench.common import SHARDS, WORK, bench_model, command_line, rotated, shown
 from bench.latency import percentile_ms
 from bench.llama_server import cached_binary, ensure_llama_server
 from bench.node_driver import generate, run_closed_loop
@@ -234,21 +234,19 @@ def measure_concurrency(
     urls: dict[str, str], model: str, share: list[Request], concurrency: int, rounds: int
 ) -> dict[str, dict[str, Any]]:
     """Every system's median round (by tok/s) at one concurrency, with each round's tok/s."""
-    systems = list(urls.items())
-    seen: dict[str, list[dict[str, Any]]] = {system: [] for system, _ in systems}
-    for k in range(rounds):
-        for system, url in systems[k % len(systems) :] + systems[: k % len(systems)]:
-            if system == DIRECT:
-                row = trio.run(direct_loop, url, share, concurrency)
-            else:
-                row = trio.run(closed_loop, url, model, share, concurrency)
-            seen[system].append(row)
-            print(
-                f"{system:28} c={concurrency:<3} {row['tok_s']:8.2f} tok/s  TTFT p50/p99 {row['ttft_p50_ms']}/"
-                f"{row['ttft_p99_ms']} ms  ITL p50/p99 {row['itl_p50_ms']}/{row['itl_p99_ms']} ms"
-                + (f"  (round {k + 1} of {rounds})" if rounds > 1 else ""),
-                flush=True,
-            )
+    seen: dict[str, list[dict[str, Any]]] = {system: [] for system in urls}
+    for k, (system, url) in rotated(rounds, list(urls.items())):
+        if system == DIRECT:
+            row = trio.run(direct_loop, url, share, concurrency)
+        else:
+            row = trio.run(closed_loop, url, model, share, concurrency)
+        seen[system].append(row)
+        print(
+            f"{system:28} c={concurrency:<3} {row['tok_s']:8.2f} tok/s  TTFT p50/p99 {row['ttft_p50_ms']}/"
+            f"{row['ttft_p99_ms']} ms  ITL p50/p99 {row['itl_p50_ms']}/{row['itl_p99_ms']} ms"
+            + (f"  (round {k + 1} of {rounds})" if rounds > 1 else ""),
+            flush=True,
+        )
     return {system: median_round(rows) for system, rows in seen.items()}
 
 
