@@ -8,9 +8,13 @@ matmul takes over at 8 rows, where it is unprofitable on that CPU for the Q6_K o
 16 rows 316 ms against 479 ms for two calls of 8. On other CPUs and models the halves cost
 more at every size, and then nothing is split.
 
-The policy: keep a running cost of decode-only calls by rows. An iteration of `n` decode
-rows runs as two calls when the two halves' measured costs add up to less than
-`MARGIN` x the whole call's. A size is measured before it is compared: the whole call first,
+The policy: keep the cost of decode-only calls by rows, the lower median of a size's last
+`RECENT` calls (engine/step_costs.py). An iteration of `n` decode rows runs as two calls when
+the two halves' measured costs add up to less than `MARGIN` x the whole call's. A median, not
+a running average: one call stretched by the machine (the host stalls, the process is
+stopped) must not flip a choice. With a running average one 20 s stall made the whole
+16-row call look dearer than its halves for thousands of iterations, since the dearer shape
+is only measured again at rechecks. A size is measured before it is compared: the whole call first,
 then the halves once. After that a size's decisions now and then take the other choice, so
 a cost that drifted (longer contexts, another process on the cores) is seen again: first
 after `RECHECK_EVERY` decisions, then after twice as many each time a recheck leaves the
@@ -24,15 +28,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-EMA = 0.2  # weight of the newest sample in a size's running cost
+from engine.step_costs import DecodeStepCosts
+
+RECENT = 3  # calls per size whose lower median is its cost: one stall is never the cost
 RECHECK_EVERY = 32  # decisions before a size first takes the other choice again
 MAX_RECHECK_EVERY = 512
 
 
-def observe_cost(costs: dict[int, float], rows: int, ms: float) -> None:
-    """Fold one call of `rows` rows into that size's running cost."""
-    old = costs.get(rows)
-    costs[rows] = ms if old is None else old + EMA * (ms - old)
+def recent_costs() -> DecodeStepCosts:
+    """Costs by rows for choosing a call's shape: a size's last `RECENT` calls."""
+    return DecodeStepCosts(keep=RECENT)
 
 
 def rechecked(rechecks: dict[int, Recheck], rows: int, cheaper: bool) -> bool:
@@ -43,9 +48,9 @@ def rechecked(rechecks: dict[int, Recheck], rows: int, cheaper: bool) -> bool:
 
 @dataclass(slots=True)
 class DecodeCallCosts:
-    """Running cost (ms) of decode-only calls by rows, and the split decision it gives."""
+    """Cost (ms) of decode-only calls by rows, and the split decision it gives."""
 
-    ms: dict[int, float] = field(default_factory=dict)
+    ms: DecodeStepCosts = field(default_factory=recent_costs)
     rechecks: dict[int, Recheck] = field(default_factory=dict)  # per size, once both shapes are measured
 
     MIN_ROWS = 2  # fewer rows cannot be split
@@ -53,7 +58,7 @@ class DecodeCallCosts:
 
     def observe(self, rows: int, ms: float) -> None:
         """Record one decode-only call of `rows` rows (every row one session's next token)."""
-        observe_cost(self.ms, rows, ms)
+        self.ms.observe(rows, ms)
 
     def halves(self, rows: int) -> bool:
         """Whether an iteration of `rows` decode rows should run as two calls (of `split_at(rows)`
@@ -64,7 +69,8 @@ class DecodeCallCosts:
         second = rows - first
         if first not in self.ms or second not in self.ms:
             return True  # measure the halves once
-        return rechecked(self.rechecks, rows, self.ms[first] + self.ms[second] < self.MARGIN * self.ms[rows])
+        cheaper = self.ms.cost(first) + self.ms.cost(second) < self.MARGIN * self.ms.cost(rows)
+        return rechecked(self.rechecks, rows, cheaper)
 
 
 @dataclass(slots=True)

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.call_split import Recheck, observe_cost, rechecked
+from engine.call_split import Recheck, recent_costs, rechecked
+from engine.step_costs import DecodeStepCosts
 
 
 def weight_passes(rows: int, blocks: tuple[int, ...]) -> int:
@@ -52,13 +53,13 @@ class MeasuredFillers:
     """Whether a call of `rows` decodes takes the fillers offered: both shapes measured (with
     fillers first), the cheaper kept, the other tried again now and then (`Recheck`)."""
 
-    filled_ms: dict[int, float] = field(default_factory=dict)  # running cost by decode rows, with fillers
-    bare_ms: dict[int, float] = field(default_factory=dict)  # and without
+    filled_ms: DecodeStepCosts = field(default_factory=recent_costs)  # cost by decode rows, with fillers
+    bare_ms: DecodeStepCosts = field(default_factory=recent_costs)  # and without
     rechecks: dict[int, Recheck] = field(default_factory=dict)
 
     def observe(self, rows: int, filled: bool, ms: float) -> None:
         """Record one call of `rows` decodes and nothing else, run with fillers or without."""
-        observe_cost(self.filled_ms if filled else self.bare_ms, rows, ms)
+        (self.filled_ms if filled else self.bare_ms).observe(rows, ms)
 
     def pays(self, rows: int) -> bool:
         """Whether a call of `rows` decodes, offered fillers, takes them."""
@@ -66,4 +67,4 @@ class MeasuredFillers:
             return True
         if rows not in self.bare_ms:
             return False
-        return rechecked(self.rechecks, rows, self.filled_ms[rows] < self.bare_ms[rows])
+        return rechecked(self.rechecks, rows, self.filled_ms.cost(rows) < self.bare_ms.cost(rows))

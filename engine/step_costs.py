@@ -5,8 +5,11 @@ weight once per call, then does each row's attention and output head on top (gem
 2 AVX2 cores: 16 ms for 1 row, 57 for 5, 70 for 10). A prefill budget sized from a step of
 another size is wrong: sized from the 1-row step of a first session while ten decode, the
 target was 4x too small and every gap looked far over it. So each size keeps
-its own recent calls; the median of the last few resists a stall of the machine. A size not
-measured yet is interpolated between the nearest measured ones, or taken as the nearest.
+its own recent calls, and its cost is their lower median: one stall of the machine (a
+page-in, the host's hiccup, a stopped process) is never a size's cost while another call of
+that size was measured. A size not measured yet is interpolated between the nearest measured
+ones, or taken as the nearest. The same costs, over fewer calls, choose a call's shape
+(engine/call_split.py, engine/row_blocks.py).
 """
 
 from __future__ import annotations
@@ -20,15 +23,17 @@ from dataclasses import dataclass, field
 class DecodeStepCosts:
     """Recent decode-only iterations' milliseconds, by decode rows (at most n_batch sizes)."""
 
+    keep: int = 8  # calls per size whose lower median is its cost
     samples: dict[int, deque[float]] = field(default_factory=dict)
-
-    KEEP = 8  # calls per size whose median is its cost
 
     def observe(self, rows: int, ms: float) -> float | None:
         """Record a decode-only iteration; returns its size's cost before it (None: first)."""
-        before = self._cost(rows) if rows in self.samples else None
-        self.samples.setdefault(rows, deque(maxlen=self.KEEP)).append(ms)
+        before = self.cost(rows) if rows in self.samples else None
+        self.samples.setdefault(rows, deque(maxlen=self.keep)).append(ms)
         return before
+
+    def __contains__(self, rows: int) -> bool:
+        return rows in self.samples
 
     def measured(self) -> bool:
         return bool(self.samples)
@@ -44,13 +49,14 @@ class DecodeStepCosts:
         if not self.samples:
             return None
         if rows in self.samples:
-            return self._cost(rows)
+            return self.cost(rows)
         below = max((size for size in self.samples if size < rows), default=None)
         above = min((size for size in self.samples if size > rows), default=None)
         if below is None or above is None:
-            return self._cost(below if above is None else above)  # type: ignore[arg-type]  # one is set
-        low, high = self._cost(below), self._cost(above)
+            return self.cost(below if above is None else above)  # type: ignore[arg-type]  # one is set
+        low, high = self.cost(below), self.cost(above)
         return low + (high - low) * (rows - below) / (above - below)
 
-    def _cost(self, size: int) -> float:
-        return statistics.median(self.samples[size])
+    def cost(self, size: int) -> float:
+        """A measured size's cost: the lower median of its recent calls."""
+        return statistics.median_low(self.samples[size])

@@ -22,10 +22,38 @@ def test_measures_the_whole_call_then_the_halves_once_then_compares() -> None:
     assert rule.halves(8)  # the halves are not measured: split once to see them
     rule.observe(4, 100.0)
     assert rule.halves(8)  # 200 < 0.95 x 231
-    rule.observe(4, 120.0)  # the halves now cost 104 ms each (running average): 208 < 219.5
+    rule.observe(4, 120.0)  # the halves' lower median of [100, 120]: still 200
+    rule.observe(4, 108.0)  # of [100, 120, 108]: 108 each, 216 < 219.45
     assert rule.halves(8)
-    rule.observe(8, 150.0)  # the whole call got cheaper (214.8 ms): 208 is within 95% of it no more
+    rule.observe(8, 200.0)  # the whole call got cheaper: [231, 200] costs 200, and 216 > 190
     assert not rule.halves(8)
+
+
+@given(
+    whole=st.floats(10.0, 1000.0),
+    half_share=st.floats(0.1, 2.0).filter(lambda s: abs(s - DecodeCallCosts.MARGIN) > 1e-3),
+    stall=st.floats(1.0, 1e4),
+    at=st.integers(0, 400),
+)
+def test_one_stalled_call_changes_no_decision(whole: float, half_share: float, stall: float, at: int) -> None:
+    """Constant costs, once both shapes are measured: one call stretched by any factor (the
+    host stalled, the process was stopped) leaves every decision as it was without it."""
+
+    def decisions(stalled_at: int | None) -> list[bool]:
+        rule = measured({8: whole, 4: whole * half_share / 2})
+        out = []
+        for n in range(600):
+            halves = rule.halves(8)
+            out.append(halves)
+            factor = stall if n == stalled_at else 1.0
+            if halves:
+                rule.observe(4, factor * whole * half_share / 2)
+                rule.observe(4, whole * half_share / 2)
+            else:
+                rule.observe(8, factor * whole)
+        return out
+
+    assert decisions(at) == decisions(None)
 
 
 def test_one_row_is_never_split_and_odd_rows_split_larger_half_first() -> None:

@@ -71,3 +71,26 @@ def test_a_decode_call_measures_both_shapes_then_keeps_the_cheaper_and_rechecks_
     for _ in range(20):
         fillers.observe(7, True, 150.0)  # the filled shape got cheaper: the running cost follows
     assert fillers.pays(7)
+
+
+@given(
+    filled=st.floats(10.0, 1000.0),
+    bare_share=st.floats(0.5, 2.0).filter(lambda s: abs(s - 1.0) > 1e-3),
+    stall=st.floats(1.0, 1e4),
+    at=st.integers(2, 300),
+)
+def test_one_stalled_call_changes_no_filler_decision(filled: float, bare_share: float, stall: float, at: int) -> None:
+    """Constant costs, once both shapes are measured (the first two calls): one call stretched
+    by any factor leaves every choice as it was without it."""
+
+    def decisions(stalled_at: int | None) -> list[bool]:
+        fillers = MeasuredFillers()
+        out = []
+        for n in range(400):
+            pays = fillers.pays(7)
+            out.append(pays)
+            factor = stall if n == stalled_at else 1.0
+            fillers.observe(7, pays, factor * (filled if pays else filled * bare_share))
+        return out
+
+    assert decisions(at) == decisions(None)
