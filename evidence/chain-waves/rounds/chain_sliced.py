@@ -41,7 +41,7 @@ SESSIONS = 16
 COUNTERS = ("batches_total", "decode_rows_total", "prefill_tokens_total", "llama_decode_seconds_total")
 
 
-def requests_for(model: Path, workload: str):
+def requests_for(model: Path, workload: str, seed: int = 7, total: int = 100000):
     from bench.workload import CORPUS, WORKLOADS, make_requests
     from engine.llama_handles import Vocabulary
 
@@ -49,7 +49,7 @@ def requests_for(model: Path, workload: str):
     corpus = vocab.tokenize(CORPUS, add_special=False)
     start = vocab.tokenize("", add_special=True)
     w = WORKLOADS[workload]
-    return make_requests(corpus, 100000, w.max_new or 32, seed=7, max_prompt=256,
+    return make_requests(corpus, total, w.max_new or 32, seed=seed, max_prompt=256,
                          bos=start[0] if start else None, buckets=w.buckets)
 
 
@@ -82,7 +82,10 @@ def burst(address: str, model: Path, workload: str, c: int, n: int, offset: int,
     from bench.node_driver import generate, run_closed_loop
     from neuron_tai.client import open_client
 
-    requests = requests_for(model, workload)[offset : offset + n]
+    # SAME_SEED=S: every round serves the first n requests of seed S, as `python -m bench.chain_load
+    # run --seed S --requests N` does (the multi-host bench: seed 12, 16 requests); else the next n of seed 7.
+    same = os.environ.get("SAME_SEED")
+    requests = requests_for(model, workload, int(same), n) if same else requests_for(model, workload)[offset : offset + n]
 
     async def main() -> None:
         async with open_client(address, timeout_s=900) as client:
