@@ -1,9 +1,16 @@
 """What each part of a model costs on this machine, measured with llama.cpp, for the placement plan.
 
-Four files are timed alone with the node's backend, one decode step of `decode_rows`
-sessions and one prefill chunk of `prefill_rows` rows each, best of `reps`: the first
-layer (token input, the embedding lookup), the second layer (hidden input and output),
-the last layer (with the output head) and the whole model. With one unknown per part,
+Four files are timed with the node's backend, one decode step of `decode_rows` sessions
+and one prefill chunk of `prefill_rows` rows each: the first layer (token input, the
+embedding lookup), the second layer (hidden input and output), the last layer (with the
+output head) and the whole model. The four are open at once and timed in `reps` rounds,
+one call of each a round in rotating order; a file's time is its median ratio to the whole
+model's in the same round, times the whole model's median. Timed one file after another,
+a slow spell of the machine that fell on one file moved work from one part to another: on
+an AMD EPYC one such measurement put the 1B shape's output head at 12.3 ms a row where
+eleven others found 8.8-9.3, and the plan's decode split at 0:12 / 12:16, stages of 18.1
+and 15.0 ms a row, instead of 0:11 / 11:16 (16.7 and 16.7). Within a round, a spell falls
+on every file alike. With one unknown per part,
 
     first = stage + embedding + c*b0      middle = stage + c*b1
     last  = stage + head + c*b[n-1]       whole  = stage + embedding + head + c*sum(b)
@@ -21,6 +28,8 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +41,7 @@ from engine.messages import Output
 from neuron_tai.placement import ModelCosts, RowCosts
 from neuron_tai.shard import ShardError, layer_weights, open_header, read_model_layers
 from neuron_tai.shard_cache import cached_shard
+from neuron_tai.timing_rounds import rotated, same_round_times
 
 __all__ = [
     "Measure",
@@ -49,12 +59,12 @@ _CONTEXT_TOKENS = 16  # each decode session's prompt: the step attends to a shor
 
 @dataclass(frozen=True, slots=True)
 class Measure:
-    """How costs are measured: llama.cpp threads (a stage's own), rows per call, repetitions."""
+    """How costs are measured: llama.cpp threads (a stage's own), rows per call, rounds of the four files."""
 
     threads: int = 1
     decode_rows: int = 8
     prefill_rows: int = 64
-    reps: int = 3
+    reps: int = 5
 
     @classmethod
     def for_chain(cls, concurrency: int, stages: int, threads: int = 1) -> Measure:
@@ -102,41 +112,57 @@ def _segment(backend: StageBackend, seq: int, pos: int, rows: int, out: Output) 
     return Segment(seq, pos, hidden=rng.standard_normal((rows, info.n_embd)).astype(np.float32), output=out)
 
 
-def _best(backend: StageBackend, reps: int, batch: Any) -> float:
-    """The least time of `reps` calls of `backend.decode(batch())` (noise only adds time)."""
-    times = []
-    for _ in range(reps):
-        segments = batch()
-        start = time.perf_counter()
-        backend.decode(segments)
-        times.append(time.perf_counter() - start)
-    return min(times)
+@dataclass(frozen=True, slots=True)
+class _Subject:
+    """One file open for timing: a call of its decode step, and of its prefill chunk."""
+
+    decode: Callable[[], list[Segment]]
+    prefill: Callable[[], list[Segment]]
+    backend: StageBackend
 
 
-def _time_file(path: Path, how: Measure) -> _Timing:
-    with StageBackend(path, _context(how)) as backend:
-        out = Output.TOKEN if backend.info.last else Output.HIDDEN
-        seqs = [backend.open_sequence() for _ in range(how.decode_rows)]
-        backend.decode([_segment(backend, s, 0, _CONTEXT_TOKENS, Output.NONE) for s in seqs])
-        pos = [_CONTEXT_TOKENS]
+def _seconds(backend: StageBackend, batch: Callable[[], list[Segment]]) -> float:
+    segments = batch()
+    start = time.perf_counter()
+    backend.decode(segments)
+    return time.perf_counter() - start
 
-        def step() -> list[Segment]:
-            pos[0] += 1
-            return [_segment(backend, s, pos[0] - 1, 1, out) for s in seqs]
 
-        backend.decode(step())  # warm
-        decode = _best(backend, how.reps, step)
-        for s in seqs:
-            backend.close_sequence(s)
-        # A prompt: every row's hidden state below the tail, the last row's token at the tail.
-        prompt = backend.open_sequence()
+def _open_subject(stack: ExitStack, path: Path, how: Measure) -> _Subject:
+    """`path` loaded, its decode sessions given their context and one warm step."""
+    backend = stack.enter_context(StageBackend(path, _context(how)))
+    out = Output.TOKEN if backend.info.last else Output.HIDDEN
+    seqs = [backend.open_sequence() for _ in range(how.decode_rows)]
+    backend.decode([_segment(backend, s, 0, _CONTEXT_TOKENS, Output.NONE) for s in seqs])
+    pos = [_CONTEXT_TOKENS]
 
-        def chunk() -> list[Segment]:
-            backend.rewind(prompt, 0)
-            return [_segment(backend, prompt, 0, how.prefill_rows, out)]
+    def step() -> list[Segment]:
+        pos[0] += 1
+        return [_segment(backend, s, pos[0] - 1, 1, out) for s in seqs]
 
-        prefill = _best(backend, how.reps, chunk)
-    return _Timing(decode, prefill)
+    backend.decode(step())  # warm
+    # A prompt: every row's hidden state below the tail, the last row's token at the tail.
+    prompt = backend.open_sequence()
+
+    def chunk() -> list[Segment]:
+        backend.rewind(prompt, 0)
+        return [_segment(backend, prompt, 0, how.prefill_rows, out)]
+
+    return _Subject(step, chunk, backend)
+
+
+def _time_files(files: dict[str, Path], how: Measure, reference: str) -> dict[str, _Timing]:
+    """Each file's decode and prefill time over `how.reps` rounds (`same_round_times`)."""
+    with ExitStack() as stack:
+        subjects = {name: _open_subject(stack, path, how) for name, path in files.items()}
+        decode: dict[str, list[float]] = {name: [] for name in files}
+        prefill: dict[str, list[float]] = {name: [] for name in files}
+        for _round, name in rotated(how.reps, list(files)):
+            decode[name].append(_seconds(subjects[name].backend, subjects[name].decode))
+        for _round, name in rotated(how.reps, list(files)):
+            prefill[name].append(_seconds(subjects[name].backend, subjects[name].prefill))
+    d, p = same_round_times(decode, reference), same_round_times(prefill, reference)
+    return {name: _Timing(d[name], p[name]) for name in files}
 
 
 def measure_costs(model: Path, how: Measure = Measure()) -> ModelCosts:
@@ -152,7 +178,7 @@ def measure_costs(model: Path, how: Measure = Measure()) -> ModelCosts:
         "last": cached_shard(model, n - 1, n, header=header),
         "whole": model,
     }
-    timed = {name: _time_file(path, how) for name, path in files.items()}
+    timed = _time_files(files, how, reference="whole")
     layer_bytes, head_bytes = layer_weights(header)
     decode = _solve({k: t.decode / how.decode_rows for k, t in timed.items()}, layer_bytes)
     prefill = _solve({k: t.prefill / how.prefill_rows for k, t in timed.items()}, layer_bytes)
