@@ -29,7 +29,8 @@ def rotated(rounds: int, sides: Sequence[T]) -> Iterator[tuple[int, T]]:
 def same_round_times(times: dict[str, list[float]], reference: str) -> dict[str, float]:
     """One time per thing from its rounds' times: the median of its ratio to `reference`'s time
     in the same round, times `reference`'s median. A slowdown that hits a whole round alike
-    changes no ratio, and a call slowed alone moves a median only when it is most of the rounds."""
+    changes no ratio, and calls slowed alone do not move a median while they are fewer than
+    half its rounds."""
     scale = statistics.median(times[reference])
     ratios = {name: [t / r for t, r in zip(ts, times[reference], strict=True)] for name, ts in times.items()}
     return {name: scale * statistics.median(rs) for name, rs in ratios.items()}
