@@ -21,7 +21,6 @@ from bench.bare_loop import BareLoop as BareLoop  # noqa: PLC0414 - re-exported:
 from engine.backend import StageBackend
 from engine.kernels import cpu_features
 from engine.llama_handles import extra_buffer_types
-from neuron_tai.timing_rounds import rotated as rotated  # noqa: PLC0414 - re-exported: the bench suites import it from here
 
 logging.getLogger("llama.cpp").setLevel(logging.ERROR)
 
@@ -171,7 +170,7 @@ def _fmt(v: Any) -> str:
 
 def interleaved(reps: int, sides: Sequence[T]) -> Iterator[tuple[int, T]]:
     """(repetition, side): every side once per repetition, in alternating order, so none always follows another
-    (`rotated` gives more than two sides every place in turn)."""
+    (`neuron_tai.timing_rounds.rotated` gives more than two sides every place in turn)."""
     for rep in range(reps):
         for side in sides if rep % 2 == 0 else sides[::-1]:
             yield rep, side

@@ -33,7 +33,7 @@ from typing import Any
 import httpx
 import trio
 
-from bench.common import SHARDS, WORK, bench_model, command_line, rotated, shown
+from bench.common import SHARDS, WORK, bench_model, command_line, shown
 from bench.latency import percentile_ms
 from bench.llama_server import cached_binary, ensure_llama_server
 from bench.node_driver import generate, run_closed_loop
@@ -44,6 +44,7 @@ from engine.llama_handles import weight_placement
 from neuron_tai.client import open_client
 from neuron_tai.shard import weight_balanced_bounds
 from neuron_tai.shard_cache import cached_stages
+from neuron_tai.timing_rounds import rotated
 
 SLOTS = 8  # node sessions and llama-server slots
 DIRECT = "single node, protocol direct"

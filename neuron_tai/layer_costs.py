@@ -114,18 +114,17 @@ def _segment(backend: StageBackend, seq: int, pos: int, rows: int, out: Output) 
 
 @dataclass(frozen=True, slots=True)
 class _Subject:
-    """One file open for timing: a call of its decode step, and of its prefill chunk."""
+    """One file open for timing: what a call of its decode step, and of its prefill chunk, decodes."""
 
     decode: Callable[[], list[Segment]]
     prefill: Callable[[], list[Segment]]
     backend: StageBackend
 
-
-def _seconds(backend: StageBackend, batch: Callable[[], list[Segment]]) -> float:
-    segments = batch()
-    start = time.perf_counter()
-    backend.decode(segments)
-    return time.perf_counter() - start
+    def seconds(self, batch: Callable[[], list[Segment]]) -> float:
+        segments = batch()
+        start = time.perf_counter()
+        self.backend.decode(segments)
+        return time.perf_counter() - start
 
 
 def _open_subject(stack: ExitStack, path: Path, how: Measure) -> _Subject:
@@ -155,14 +154,20 @@ def _time_files(files: dict[str, Path], how: Measure, reference: str) -> dict[st
     """Each file's decode and prefill time over `how.reps` rounds (`same_round_times`)."""
     with ExitStack() as stack:
         subjects = {name: _open_subject(stack, path, how) for name, path in files.items()}
-        decode: dict[str, list[float]] = {name: [] for name in files}
-        prefill: dict[str, list[float]] = {name: [] for name in files}
-        for _round, name in rotated(how.reps, list(files)):
-            decode[name].append(_seconds(subjects[name].backend, subjects[name].decode))
-        for _round, name in rotated(how.reps, list(files)):
-            prefill[name].append(_seconds(subjects[name].backend, subjects[name].prefill))
+        decode = _rounds(subjects, how.reps, lambda subject: subject.decode)
+        prefill = _rounds(subjects, how.reps, lambda subject: subject.prefill)
     d, p = same_round_times(decode, reference), same_round_times(prefill, reference)
     return {name: _Timing(d[name], p[name]) for name in files}
+
+
+def _rounds(
+    subjects: dict[str, _Subject], reps: int, batch: Callable[[_Subject], Callable[[], list[Segment]]]
+) -> dict[str, list[float]]:
+    """Each subject's time of a `batch` call in each of `reps` rotated rounds."""
+    times: dict[str, list[float]] = {name: [] for name in subjects}
+    for _round, name in rotated(reps, list(subjects)):
+        times[name].append(subjects[name].seconds(batch(subjects[name])))
+    return times
 
 
 def measure_costs(model: Path, how: Measure = Measure()) -> ModelCosts:
