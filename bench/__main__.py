@@ -113,8 +113,8 @@ FULL_SET: list[tuple[str, str | None]] = [
     ("attach", SHAPE),
 ]
 FULL_EXTRA: dict[tuple[str, str | None], tuple[str, ...]] = {
-    ("multihost", None): ("--per-client", "2", "--delays", "0,5", "--concurrency", "1,8,16"),
-    ("multihost", SHAPE): ("--per-client", "2", "--delays", "none", "--concurrency", "1,8,16"),
+    ("multihost", None): ("--per-client", "2", "--delays", "0,5", "--concurrency", "1,8,16", "--reps", "3"),
+    ("multihost", SHAPE): ("--per-client", "2", "--delays", "none", "--concurrency", "1,8,16", "--reps", "3"),
     ("placement", SHAPE): ("--reps", "2"),
 }
 QUICK_SET: list[tuple[str, str | None]] = [("report", None)]

@@ -11,10 +11,12 @@ says so.
 - Scale-out: the chain against one node on one core with one thread, at each concurrency
   of each workload (bench/workload.py: prompt-heavy, and decode-heavy with 16-token prompts
   and 128 new tokens), the node running the token loop (server-side `generate`);
-  efficiency = chain tok/s / (2 x single-node tok/s). The chain's layer split is
-  `chain_bounds`'s. The single node also runs at half of each concurrency: a chain at c
-  computes c/2 rows per call on each stage (two micro-batches), so single(c/2) / single(c)
-  bounds its efficiency (`batching_bound`); `share_of_bound` is how much of it the chain got.
+  efficiency = chain tok/s / (2 x single-node tok/s). With `--reps N` each concurrency runs
+  N such pairs, their order alternating, and reports the median pair with every pair's
+  efficiency beside it. The chain's layer split is `chain_bounds`'s. The single node also
+  runs at half of each concurrency: a chain at c computes c/2 rows per call on each stage
+  (two micro-batches), so single(c/2) / single(c) bounds its efficiency (`batching_bound`);
+  `share_of_bound` is how much of it the chain got.
 - Latency tolerance: the same chain with each one-way delay on both links (client<->head
   and head<->tail), at concurrency 8: tok/s, inter-token p50/p99. Each delay is checked by
   pinging through the proxy and past it on both links (added round trip: 2 x delay).
@@ -70,6 +72,7 @@ SCALE_COLUMNS = [
     "single_rows_per_call",
     "head_rows_per_call",
     "tail_rows_per_call",
+    "pair_efficiencies",
 ]
 LATENCY_COLUMNS = [
     "delay_ms",
@@ -103,6 +106,7 @@ class Plan:
     micro_batches: int | None = None  # the heads' --micro-batches (None: the node's default)
     seed: int = 12
     per_client: int = 0  # at concurrency c, the first per_client x c requests (0: all of them)
+    reps: int = 1  # pairs of runs (single node, chain) at each scale-out concurrency; the median pair's row
 
     def clients_share(self, workload: str) -> int:
         """Requests per client at each concurrency (0: all of them). Fixed-shape (decode-heavy) requests
@@ -299,9 +303,52 @@ def batching_bound(half_tok_s: float | None, full_tok_s: float) -> float | None:
     return round(half_tok_s / full_tok_s, 3)
 
 
+def median_pair(rows: list[dict[str, Any]]) -> int:
+    """Which pair's efficiency is the median (of an even number of pairs, the higher middle one)."""
+    ranked = sorted(range(len(rows)), key=lambda i: rows[i]["efficiency"] or 0.0)
+    return ranked[len(rows) // 2]
+
+
+def measured_pair(cluster: Cluster, nodes: Nodes, workload: str, c: int, rep: int) -> tuple[dict[str, Any], ...]:
+    """The single node and the chain at `c`, one after the other, the single node first in even
+    repetitions, and what each node computed meanwhile: (single run, chain run, spent)."""
+    order = ("single", "chain2") if rep % 2 == 0 else ("chain2", "single")
+    before = nodes.counters(cluster)
+    runs = {
+        system: cluster.load(
+            nodes.single if system == "single" else nodes.head, (c,), f"{system}-{workload}-c{c}", workload
+        )[0]
+        for system in order
+    }
+    after = nodes.counters(cluster)
+    spent = {name: {k: after[name][k] - v for k, v in was.items()} for name, was in before.items()}
+    return runs["single"], runs["chain2"], spent
+
+
+def pair_row(
+    workload: str, c: int, one: dict[str, Any], two: dict[str, Any], spent: dict[str, Any], half: float | None
+) -> dict[str, Any]:
+    """One pair's figures: tok/s, efficiency against its batching bound, and costs per token."""
+    efficiency = round(two["tok_s"] / (2 * one["tok_s"]), 3) if one["tok_s"] else None
+    bound = batching_bound(half, one["tok_s"])
+    return {
+        "workload": workload,
+        "concurrency": c,
+        "single_tok_s": one["tok_s"],
+        "chain_tok_s": two["tok_s"],
+        "efficiency": efficiency,
+        "batching_bound": bound,
+        "share_of_bound": round(efficiency / bound, 3) if efficiency and bound else None,
+        **cost_per_token(one, two, spent),
+    }
+
+
 def scale_out(cluster: Cluster, nodes: Nodes, workload: str) -> dict[str, Any]:
-    """The chain (two cores) against the single node (one core), each concurrency alternating between them;
-    the single node also at half of each concurrency, for the micro-batching bound."""
+    """The chain (two cores) against the single node (one core): at each concurrency `plan.reps`
+    pairs of runs in alternating order, and the median pair's row beside every pair's
+    efficiency; the single node also at half of each concurrency, for the micro-batching bound.
+    This host's speed drifts over seconds: a pair's two runs meet it in about the same state,
+    and the median of several pairs is not moved by one caught in a slow spell."""
     rows, raw, single = [], [], {}
     extra = halves(cluster.plan.concurrencies)
     for c in sorted([*cluster.plan.concurrencies, *extra]):
@@ -309,26 +356,19 @@ def scale_out(cluster: Cluster, nodes: Nodes, workload: str) -> dict[str, Any]:
             single[c] = cluster.load(nodes.single, (c,), f"single-{workload}-c{c}", workload)[0]
             raw.append({"system": "single", **single[c]})
             continue
-        before = nodes.counters(cluster)
-        one = single[c] = cluster.load(nodes.single, (c,), f"single-{workload}-c{c}", workload)[0]
-        two = cluster.load(nodes.head, (c,), f"chain-{workload}-c{c}", workload)[0]
-        after = nodes.counters(cluster)
-        raw += [{"system": "single", **one}, {"system": "chain2", **two}]
-        efficiency = round(two["tok_s"] / (2 * one["tok_s"]), 3) if one["tok_s"] else None
-        bound = batching_bound(single[c // 2]["tok_s"] if c // 2 in single else None, one["tok_s"])
-        spent = {name: {k: after[name][k] - v for k, v in was.items()} for name, was in before.items()}
-        rows.append(
-            {
-                "workload": workload,
-                "concurrency": c,
-                "single_tok_s": one["tok_s"],
-                "chain_tok_s": two["tok_s"],
-                "efficiency": efficiency,
-                "batching_bound": bound,
-                "share_of_bound": round(efficiency / bound, 3) if efficiency and bound else None,
-                **cost_per_token(one, two, spent),
-            }
-        )
+        half = single[c // 2]["tok_s"] if c // 2 in single else None
+        pairs, singles = [], []
+        for rep in range(cluster.plan.reps):
+            one, two, spent = measured_pair(cluster, nodes, workload, c, rep)
+            raw += [{"system": "single", "rep": rep, **one}, {"system": "chain2", "rep": rep, **two}]
+            pairs.append(pair_row(workload, c, one, two, spent, half))
+            singles.append(one)
+            print(
+                f"scale-out pair {rep + 1}/{cluster.plan.reps}: " + ", ".join(f"{k} {v}" for k, v in pairs[-1].items())
+            )
+        middle = median_pair(pairs)
+        single[c] = singles[middle]
+        rows.append({**pairs[middle], "pair_efficiencies": [p["efficiency"] for p in pairs]})
         print("scale-out " + ", ".join(f"{k} {v}" for k, v in rows[-1].items()), flush=True)
     return {"rows": rows, "runs": raw}
 
@@ -471,6 +511,10 @@ def with_options(plan: Plan, args: argparse.Namespace, parser: argparse.Argument
         plan = replace(plan, micro_batches=args.micro_batches)
     if args.nice:
         plan = replace(plan, nice=args.nice)
+    if args.reps is not None:
+        if args.reps < 1:
+            parser.error("--reps: at least 1")
+        plan = replace(plan, reps=args.reps)
     if args.max_new:
         plan = replace(plan, max_new=args.max_new, max_new_fixed=True)
     return plan
@@ -487,6 +531,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--workload", help="prompt, decode or both (default prompt,decode; quick: prompt)")
     parser.add_argument("--requests", type=int, help="requests per run (default 16; quick 8)")
     parser.add_argument("--per-client", type=int, help="at concurrency c, only the first N x c requests (fewer reps)")
+    parser.add_argument(
+        "--reps", type=int, help="pairs of runs at each scale-out concurrency, the median's row (default 1)"
+    )
     parser.add_argument("--max-new", type=int, help="tokens generated per request in every workload")
     parser.add_argument("--micro-batches", type=int, help="the chain heads' micro-batches (default: the node's)")
     parser.add_argument(

@@ -41,6 +41,7 @@ def gather(report: dict[str, Any], multihost: dict[str, Any]) -> dict[str, Any]:
             "one_core_tok_s": r["single_tok_s"],
             "efficiency": r["efficiency"],
             "batching_bound": r.get("batching_bound"),
+            "pair_efficiencies": r.get("pair_efficiencies", [r["efficiency"]]),
         }
         for r in multihost["scale_out"]["rows"]
     ]

@@ -492,6 +492,10 @@ def _bound(row: dict[str, Any]) -> str:
     return "-" if bound is None else f"{bound:.2f}"
 
 
+def _pairs(row: dict[str, Any]) -> str:
+    return " / ".join("-" if e is None else f"{e:.2f}" for e in row.get("pair_efficiencies", [row["efficiency"]]))
+
+
 def _pipeline(r: dict[str, Any]) -> str:
     """The pipeline figures (bench.pipeline_evidence), where `just bench` attached them."""
     p = r.get("pipeline")
@@ -502,7 +506,7 @@ def _pipeline(r: dict[str, Any]) -> str:
         for x in p["generate_vs_llama_server"]
     ]
     scale = [
-        [str(x["concurrency"]), x["chain_tok_s"], x["one_core_tok_s"], f"{x['efficiency']:.2f}", _bound(x)]
+        [str(x["concurrency"]), x["chain_tok_s"], x["one_core_tok_s"], f"{x['efficiency']:.2f}", _bound(x), _pairs(x)]
         for x in p["scale_out"]
     ]
     latency = [
@@ -527,9 +531,11 @@ def _pipeline(r: dict[str, Any]) -> str:
             "Efficiency = chain tok/s / (2 x one-core node tok/s). Bound: the chain's head computes "
             "its c sessions in two micro-batches so both stages work at once, so each stage's calls "
             "have c/2 rows; at best (balanced stages, a free hop) the chain makes twice the one-core "
-            "node's tok/s at c/2, and the bound is that node's tok/s at c/2 / its tok/s at c.",
+            "node's tok/s at c/2, and the bound is that node's tok/s at c/2 / its tok/s at c. "
+            "Each concurrency's row is its median pair of runs (single node, chain); pairs: every "
+            "pair's efficiency, in the order they ran.",
             "",
-            table(["c", "chain tok/s", "one-core node tok/s", "efficiency", "bound"], scale),
+            table(["c", "chain tok/s", "one-core node tok/s", "efficiency", "bound", "pairs"], scale),
             "",
             "### Latency tolerance: the chain with delay added one way on each link",
             "",

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.multihost import batching_bound, halves
+from bench.multihost import batching_bound, halves, median_pair
 from neuron_tai.process_exists import process_exists
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,6 +31,16 @@ def test_the_single_node_also_runs_at_the_halves_the_sweep_lacks() -> None:
     assert halves((1, 3)) == []
     assert batching_bound(None, 10.0) is None
     assert batching_bound(7.0, 10.0) == 0.7
+
+
+def test_a_concurrency_is_reported_by_its_median_pair() -> None:
+    def pairs(*efficiencies: float | None) -> list[dict[str, float | None]]:
+        return [{"efficiency": e} for e in efficiencies]
+
+    assert median_pair(pairs(0.9)) == 0
+    assert median_pair(pairs(0.9, 0.5, 0.7)) == 2  # neither the slow spell nor the best pair
+    assert median_pair(pairs(0.5, 0.9, 0.7, 0.8)) == 3  # of an even number, the higher middle one
+    assert median_pair(pairs(None, 0.6, 0.4)) == 2  # a pair without a figure (no single-node tokens) ranks lowest
 
 
 def leftovers(tag: str) -> list[str]:
@@ -67,6 +77,7 @@ def test_quick_chain_across_namespaces_matches_single_node_and_leaves_nothing(tm
     assert all(r["tokens"] == solo for r in chain_runs)
     assert report["chain_token_mismatches"] == 0
     assert [r["concurrency"] for r in report["scale_out"]["rows"]] == [1, 8]
+    assert all(r["pair_efficiencies"] == [r["efficiency"]] for r in report["scale_out"]["rows"])  # one pair each
     singles = {r["concurrency"]: r for r in report["scale_out"]["runs"] if r["system"] == "single"}
     assert sorted(singles) == [1, 4, 8]  # 4: half of 8, for the micro-batching bound
     one, eight = report["scale_out"]["rows"]
