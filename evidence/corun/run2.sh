@@ -1,0 +1,18 @@
+#!/bin/bash
+# Decode speed of the whole 1B shape on one core, alone and with a twin decoding on the other core.
+B=~/.cache/neuron-tai/llama-server-0.3.36/llama-batched-bench
+M=~/.cache/neuron-tai/shapes/llama-3.2-1b-shape-q4_k_m.gguf
+args="-m $M -t 1 -tb 1 -c 4096 -npp 16 -ntg 64 -npl 1,4,8"
+one() { taskset -c $1 $B $args 2>/dev/null | grep -E "^[|] +[0-9]"; }
+for round in 1 2 3 4; do
+  if (( round % 2 )); then order="alone twin"; else order="twin alone"; fi
+  for mode in $order; do
+    if [ $mode = alone ]; then echo "== round $round: alone on core 0"; one 0
+    else
+      echo "== round $round: core 0 with a twin on core 1"
+      one 1 > twin.out & t=$!
+      sleep 1; one 0; wait $t
+      echo "-- the twin on core 1:"; cat twin.out
+    fi
+  done
+done
