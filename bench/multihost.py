@@ -364,7 +364,8 @@ def scale_out(cluster: Cluster, nodes: Nodes, workload: str) -> dict[str, Any]:
             pairs.append(pair_row(workload, c, one, two, spent, half))
             singles.append(one)
             print(
-                f"scale-out pair {rep + 1}/{cluster.plan.reps}: " + ", ".join(f"{k} {v}" for k, v in pairs[-1].items())
+                f"scale-out pair {rep + 1}/{cluster.plan.reps}: " + ", ".join(f"{k} {v}" for k, v in pairs[-1].items()),
+                flush=True,
             )
         middle = median_pair(pairs)
         single[c] = singles[middle]
