@@ -172,8 +172,13 @@ def interleaved(reps: int, sides: Sequence[T]) -> Iterator[tuple[int, T]]:
     """(repetition, side): every side once per repetition, in alternating order, so none always follows another
     (`neuron_tai.timing_rounds.rotated` gives more than two sides every place in turn)."""
     for rep in range(reps):
-        for side in sides if rep % 2 == 0 else sides[::-1]:
+        for side in alternating(rep, sides):
             yield rep, side
+
+
+def alternating(rep: int, sides: Sequence[T]) -> Sequence[T]:
+    """The order of `interleaved`'s repetition `rep`: as given in even ones, reversed in odd ones."""
+    return sides if rep % 2 == 0 else sides[::-1]
 
 
 def best_of(values: Sequence[float]) -> float:

@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from bench.common import MODEL_ENV, SHARDS, WORK, bench_model, command_line, shown, table
+from bench.common import MODEL_ENV, SHARDS, WORK, alternating, bench_model, command_line, shown, table
 from bench.interrupts import run_main
 from bench.netns import Topology, open_topology
 from bench.placement import planned_bounds
@@ -245,6 +245,9 @@ class Cluster:
         return float(statistics.median(self.client(host, ["ping", address, "--count", str(self.plan.pings)])["rtt_ms"]))
 
 
+Counters = dict[str, dict[str, float]]  # node name -> its compute counters (`Nodes.counters`)
+
+
 @dataclass(frozen=True, slots=True)
 class Nodes:
     """The measured nodes' addresses, each with the host it is read from."""
@@ -253,7 +256,7 @@ class Nodes:
     head: str
     tail: str
 
-    def counters(self, cluster: Cluster) -> dict[str, dict[str, float]]:
+    def counters(self, cluster: Cluster) -> Counters:
         """Each node's compute counters so far: `step_seconds` sum (its llama_decode calls), calls, rows."""
         front = cluster.client("client", ["stats", self.single, self.head])["stats"]
         back = cluster.client("s0", ["stats", self.tail])["stats"]
@@ -265,7 +268,7 @@ def _tokens(run: dict[str, Any]) -> int:
     return sum(len(t) for t in run["tokens"].values()) + int(run["warm_tokens"])
 
 
-def cost_per_token(one: dict[str, Any], two: dict[str, Any], spent: dict[str, dict[str, float]]) -> dict[str, float]:
+def cost_per_token(one: dict[str, Any], two: dict[str, Any], spent: Counters) -> dict[str, float]:
     """Wall and compute milliseconds per generated token: what the hop adds beyond the stages' own compute
     (chain wall - head compute - tail compute), the single node's own overhead beside it; and each
     node's rows per llama_decode call."""
@@ -303,22 +306,29 @@ def batching_bound(half_tok_s: float | None, full_tok_s: float) -> float | None:
     return round(half_tok_s / full_tok_s, 3)
 
 
+def spoken(row: dict[str, Any]) -> str:
+    """A row as the console line says it: `key value, key value`."""
+    return ", ".join(f"{k} {v}" for k, v in row.items())
+
+
 def median_pair(rows: list[dict[str, Any]]) -> int:
     """Which pair's efficiency is the median (of an even number of pairs, the higher middle one)."""
     ranked = sorted(range(len(rows)), key=lambda i: rows[i]["efficiency"] or 0.0)
     return ranked[len(rows) // 2]
 
 
-def measured_pair(cluster: Cluster, nodes: Nodes, workload: str, c: int, rep: int) -> tuple[dict[str, Any], ...]:
+def measured_pair(
+    cluster: Cluster, nodes: Nodes, workload: str, c: int, rep: int
+) -> tuple[dict[str, Any], dict[str, Any], Counters]:
     """The single node and the chain at `c`, one after the other, the single node first in even
-    repetitions, and what each node computed meanwhile: (single run, chain run, spent)."""
-    order = ("single", "chain2") if rep % 2 == 0 else ("chain2", "single")
+    repetitions (`interleaved`'s order), and what each node computed meanwhile: (single run,
+    chain run, spent)."""
     before = nodes.counters(cluster)
     runs = {
         system: cluster.load(
             nodes.single if system == "single" else nodes.head, (c,), f"{system}-{workload}-c{c}", workload
         )[0]
-        for system in order
+        for system in alternating(rep, ("single", "chain2"))
     }
     after = nodes.counters(cluster)
     spent = {name: {k: after[name][k] - v for k, v in was.items()} for name, was in before.items()}
@@ -326,7 +336,7 @@ def measured_pair(cluster: Cluster, nodes: Nodes, workload: str, c: int, rep: in
 
 
 def pair_row(
-    workload: str, c: int, one: dict[str, Any], two: dict[str, Any], spent: dict[str, Any], half: float | None
+    workload: str, c: int, one: dict[str, Any], two: dict[str, Any], spent: Counters, half: float | None
 ) -> dict[str, Any]:
     """One pair's figures: tok/s, efficiency against its batching bound, and costs per token."""
     efficiency = round(two["tok_s"] / (2 * one["tok_s"]), 3) if one["tok_s"] else None
@@ -363,14 +373,11 @@ def scale_out(cluster: Cluster, nodes: Nodes, workload: str) -> dict[str, Any]:
             raw += [{"system": "single", "rep": rep, **one}, {"system": "chain2", "rep": rep, **two}]
             pairs.append(pair_row(workload, c, one, two, spent, half))
             singles.append(one)
-            print(
-                f"scale-out pair {rep + 1}/{cluster.plan.reps}: " + ", ".join(f"{k} {v}" for k, v in pairs[-1].items()),
-                flush=True,
-            )
+            print(f"scale-out pair {rep + 1}/{cluster.plan.reps}: {spoken(pairs[-1])}", flush=True)
         middle = median_pair(pairs)
         single[c] = singles[middle]
         rows.append({**pairs[middle], "pair_efficiencies": [p["efficiency"] for p in pairs]})
-        print("scale-out " + ", ".join(f"{k} {v}" for k, v in rows[-1].items()), flush=True)
+        print(f"scale-out {spoken(rows[-1])}", flush=True)
     return {"rows": rows, "runs": raw}
 
 
@@ -414,7 +421,7 @@ def latency_tolerance(cluster: Cluster, chains: list[DelayedChain], workload: st
                 "rtt_added_head_tail_ms": round(head_tail, 3),
             }
         )
-        print("latency " + ", ".join(f"{k} {v}" for k, v in rows[-1].items()), flush=True)
+        print(f"latency {spoken(rows[-1])}", flush=True)
     return {"concurrency": c, "rows": rows, "runs": raw}
 
 
