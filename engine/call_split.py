@@ -8,14 +8,19 @@ matmul takes over at 8 rows, where it is unprofitable on that CPU for the Q6_K o
 16 rows 316 ms against 479 ms for two calls of 8. On other CPUs and models the halves cost
 more at every size, and then nothing is split.
 
-The policy: keep the cost of decode-only calls by rows, the lower median of a size's last
-`RECENT` calls (engine/step_costs.py). An iteration of `n` decode rows runs as two calls when
-the two halves' measured costs add up to less than `MARGIN` x the whole call's. A median, not
-a running average: one call stretched by the machine (the host stalls, the process is
+The policy: keep, for each size of decode-only iteration, the cost of each choice measured as
+that choice: the whole call's milliseconds, and a halved iteration's two calls together. Not
+the halves' sizes measured elsewhere: a 4-row call measured while four sessions decoded, minutes
+before, is no price for the halves of 8 rows now (the host's speed drifts, contexts grow; on an
+AMD EPYC (Zen 4) 4-row calls measured 85-95 ms at the end of such a run and 74-77 ms as the
+halves of 8 rows right after, which flipped the choice for 32 iterations). A size's choices
+are measured `PROBES` times each, alternating (the whole call first), before they are
+compared. A choice's cost is the lower median of its last `RECENT` measurements, not a
+running average: one iteration stretched by the machine (the host stalls, the process is
 stopped) must not flip a choice. With a running average one 20 s stall made the whole
 16-row call look dearer than its halves for thousands of iterations, since the dearer shape
-is only measured again at rechecks. A size is measured before it is compared: the whole call first,
-then the halves once. After that a size's decisions now and then take the other choice, so
+is only measured again at rechecks. The halves are taken when they cost less than `MARGIN` x
+the whole call. After that a size's decisions now and then take the other choice, so
 a cost that drifted (longer contexts, another process on the cores) is seen again: first
 after `RECHECK_EVERY` decisions, then after twice as many each time a recheck leaves the
 choice as it was (up to `MAX_RECHECK_EVERY`), and after `RECHECK_EVERY` again once it
@@ -31,6 +36,7 @@ from dataclasses import dataclass, field
 from engine.step_costs import DecodeStepCosts
 
 RECENT = 3  # calls per size whose lower median is its cost: one stall is never the cost
+PROBES = 2  # measurements of each choice before a size's choices are compared: one stall is never a cost
 RECHECK_EVERY = 32  # decisions before a size first takes the other choice again
 MAX_RECHECK_EVERY = 512
 
@@ -48,28 +54,33 @@ def rechecked(rechecks: dict[int, Recheck], rows: int, cheaper: bool) -> bool:
 
 @dataclass(slots=True)
 class DecodeCallCosts:
-    """Cost (ms) of decode-only calls by rows, and the split decision it gives."""
+    """Cost (ms) of decode-only iterations by rows, run whole or halved, and the split decision they give."""
 
-    ms: DecodeStepCosts = field(default_factory=recent_costs)
-    rechecks: dict[int, Recheck] = field(default_factory=dict)  # per size, once both shapes are measured
+    whole: DecodeStepCosts = field(default_factory=recent_costs)  # iterations run as one call
+    halved: DecodeStepCosts = field(default_factory=recent_costs)  # iterations run as two calls: both together
+    rechecks: dict[int, Recheck] = field(default_factory=dict)  # per size, once both choices are measured
 
     MIN_ROWS = 2  # fewer rows cannot be split
     MARGIN = 0.95  # split only for a clear gain: the halves within 95% of the whole call
 
     def observe(self, rows: int, ms: float) -> None:
-        """Record one decode-only call of `rows` rows (every row one session's next token)."""
-        self.ms.observe(rows, ms)
+        """Record one decode-only iteration of `rows` rows (every row one session's next token)
+        run as one call."""
+        self.whole.observe(rows, ms)
+
+    def observe_halved(self, rows: int, ms: float) -> None:
+        """Record one decode-only iteration of `rows` rows run as two calls (`ms`: both calls)."""
+        self.halved.observe(rows, ms)
 
     def halves(self, rows: int) -> bool:
         """Whether an iteration of `rows` decode rows should run as two calls (of `split_at(rows)`
         rows, then the rest)."""
-        if rows < self.MIN_ROWS or rows not in self.ms:
-            return False  # nothing to split, or the whole call is not measured yet
-        first = split_at(rows)
-        second = rows - first
-        if first not in self.ms or second not in self.ms:
-            return True  # measure the halves once
-        cheaper = self.ms.cost(first) + self.ms.cost(second) < self.MARGIN * self.ms.cost(rows)
+        if rows < self.MIN_ROWS:
+            return False  # nothing to split
+        whole, halved = self.whole.count(rows), self.halved.count(rows)
+        if min(whole, halved) < PROBES:
+            return halved < whole  # probing: the choice measured fewer times, the whole call first
+        cheaper = self.halved.cost(rows) < self.MARGIN * self.whole.cost(rows)
         return rechecked(self.rechecks, rows, cheaper)
 
 

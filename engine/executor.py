@@ -67,7 +67,7 @@ class Executor:
         self.call_costs = DecodeCallCosts()
         self.fillers = MeasuredFillers()  # what Scheduler.plan asks of a call of only decodes
         self.halves = self.call_costs.halves if halve_decodes else None  # what Scheduler.plan asks
-        self._halved_so_far = (0, 0.0)  # decode rows and ms of the halved iteration under way
+        self._halved_so_far = (0, 0.0, 0)  # decode rows, ms and calls of the halved iteration under way
 
     async def run_calls(self, plan: Plan, between: Callable[[], Awaitable[None]]) -> None:
         """Each of the plan's calls in turn, awaiting `between` them (the engine's hand-over)."""
@@ -77,7 +77,7 @@ class Executor:
             if i:
                 await between()
             await self.run(Plan(plan.iteration, (call,), plan.halved))
-        self._end_iteration()
+        self._end_iteration(len(plan.calls))
 
     async def run(self, plan: Plan) -> None:
         """Run the plan's one call and answer the steps it completes."""
@@ -125,20 +125,23 @@ class Executor:
         if decode_rows and not prefill_rows:
             if self.scheduler.config.row_blocks:
                 self.fillers.observe(decode_rows, call.pad_rows > 0, seconds * 1000)
-            if self.halves is not None:
+            if self.halves is not None and not plan.halved:
                 self.call_costs.observe(decode_rows, seconds * 1000)
         if plan.halved:  # the sessions of both calls wait for both: one gap, seen once
-            rows, ms = self._halved_so_far
-            self._halved_so_far = (rows + decode_rows, ms + seconds * 1000)
+            rows, ms, calls = self._halved_so_far
+            self._halved_so_far = (rows + decode_rows, ms + seconds * 1000, calls + 1)
         else:
             self.pace.observe(decode_rows, prefill_rows, seconds * 1000)
 
-    def _end_iteration(self) -> None:
-        """After an iteration's calls: a halved one is one decode-only gap to the pace."""
-        rows, ms = self._halved_so_far
+    def _end_iteration(self, planned: int) -> None:
+        """After an iteration's `planned` calls: a halved one is one decode-only gap to the pace,
+        and, when every call of it computed, one measurement of halving its rows."""
+        rows, ms, calls = self._halved_so_far
         if rows:
             self.pace.observe(rows, 0, ms)
-        self._halved_so_far = (0, 0.0)
+        if rows and calls == planned and self.halves is not None:
+            self.call_costs.observe_halved(rows, ms)
+        self._halved_so_far = (0, 0.0, 0)
 
     def _answer(self, step: Step[Work], last: SegmentResult) -> None:
         """A completed step's result, with its session's state after it, to its requester."""

@@ -35,6 +35,10 @@ class DecodeStepCosts:
     def __contains__(self, rows: int) -> bool:
         return rows in self.samples
 
+    def count(self, rows: int) -> int:
+        """Calls of this size kept (at most `keep`)."""
+        return len(self.samples.get(rows, ()))
+
     def measured(self) -> bool:
         return bool(self.samples)
 

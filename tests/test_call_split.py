@@ -5,28 +5,46 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.call_split import MAX_RECHECK_EVERY, RECHECK_EVERY, DecodeCallCosts, split_at
+from engine.call_split import MAX_RECHECK_EVERY, PROBES, RECHECK_EVERY, DecodeCallCosts, split_at
 
 
-def measured(costs: dict[int, float]) -> DecodeCallCosts:
+def measured(rows: int, whole: float, halved: float) -> DecodeCallCosts:
+    """A rule past probing for `rows`: each choice measured PROBES times at a constant cost."""
     rule = DecodeCallCosts()
-    for rows, ms in costs.items():
-        rule.observe(rows, ms)
+    for _ in range(PROBES):
+        rule.observe(rows, whole)
+        rule.observe_halved(rows, halved)
     return rule
 
 
-def test_measures_the_whole_call_then_the_halves_once_then_compares() -> None:
+def test_probes_each_choice_twice_alternating_whole_first_then_compares() -> None:
     rule = DecodeCallCosts()
-    assert not rule.halves(8)  # the whole call is not measured yet: run it whole
+    assert not rule.halves(8)  # nothing measured yet: run it whole
     rule.observe(8, 231.0)
-    assert rule.halves(8)  # the halves are not measured: split once to see them
-    rule.observe(4, 100.0)
-    assert rule.halves(8)  # 200 < 0.95 x 231
-    rule.observe(4, 120.0)  # the halves' lower median of [100, 120]: still 200
-    rule.observe(4, 108.0)  # of [100, 120, 108]: 108 each, 216 < 219.45
+    assert rule.halves(8)  # the halves are not measured: split to see them
+    rule.observe_halved(8, 200.0)
+    assert not rule.halves(8)  # each choice twice before a comparison
+    rule.observe(8, 240.0)
     assert rule.halves(8)
-    rule.observe(8, 200.0)  # the whole call got cheaper: [231, 200] costs 200, and 216 > 190
+    rule.observe_halved(8, 230.0)  # the halves' lower median of [200, 230]: 200 < 0.95 x 231
+    assert rule.halves(8)
+    rule.observe(8, 200.0)  # the whole call got cheaper: [231, 240, 200] costs 231
+    rule.observe(8, 200.0)  # [240, 200, 200] costs 200, and 200 > 190
     assert not rule.halves(8)
+
+
+def test_the_halves_sizes_measured_elsewhere_are_no_price_for_halving() -> None:
+    """4-row calls measured while four sessions decoded do not decide for 8 rows: the halves
+    of 8 are measured as such, right after the whole 8-row call."""
+    rule = DecodeCallCosts()
+    for _ in range(3):
+        rule.observe(4, 95.0)  # dear at the end of a run of four sessions
+    rule.observe(8, 166.0)
+    assert rule.halves(8)  # 2 x 95 > 0.95 x 166, yet the halves of 8 are probed
+    rule.observe_halved(8, 150.0)
+    rule.observe(8, 166.0)
+    rule.observe_halved(8, 151.0)
+    assert rule.halves(8)  # 150 < 157.7
 
 
 @given(
@@ -40,15 +58,14 @@ def test_one_stalled_call_changes_no_decision(whole: float, half_share: float, s
     host stalled, the process was stopped) leaves every decision as it was without it."""
 
     def decisions(stalled_at: int | None) -> list[bool]:
-        rule = measured({8: whole, 4: whole * half_share / 2})
+        rule = measured(8, whole, whole * half_share)
         out = []
         for n in range(600):
             halves = rule.halves(8)
             out.append(halves)
             factor = stall if n == stalled_at else 1.0
             if halves:
-                rule.observe(4, factor * whole * half_share / 2)
-                rule.observe(4, whole * half_share / 2)
+                rule.observe_halved(8, factor * whole * half_share)
             else:
                 rule.observe(8, factor * whole)
         return out
@@ -57,7 +74,8 @@ def test_one_stalled_call_changes_no_decision(whole: float, half_share: float, s
 
 
 def test_one_row_is_never_split_and_odd_rows_split_larger_half_first() -> None:
-    rule = measured({1: 10.0})
+    rule = DecodeCallCosts()
+    rule.observe(1, 10.0)
     assert not rule.halves(1)
     assert [split_at(n) for n in (2, 3, 7, 8)] == [1, 2, 4, 4]
 
@@ -79,14 +97,12 @@ def test_where_calls_cost_a_fixed_part_plus_rows_splits_are_only_probes(
         seen[rows] = seen.get(rows, 0) + 1
         if rule.halves(rows):
             splits[rows] = splits.get(rows, 0) + 1
-            first = split_at(rows)
-            rule.observe(first, fixed + per_row * first)
-            rule.observe(rows - first, fixed + per_row * (rows - first))
+            rule.observe_halved(rows, 2 * fixed + per_row * rows)
         else:
             rule.observe(rows, fixed + per_row * rows)
     for rows, n in splits.items():
         assert rows >= DecodeCallCosts.MIN_ROWS
-        assert n <= 1 + seen[rows] // RECHECK_EVERY
+        assert n <= PROBES + max(0, seen[rows] - 2 * PROBES) // RECHECK_EVERY
 
 
 def recheck_positions(decisions: int) -> set[int]:
@@ -104,7 +120,7 @@ def recheck_positions(decisions: int) -> set[int]:
 def test_once_measured_the_cheaper_shape_wins_but_for_rechecks(whole: float, half_share: float, decisions: int) -> None:
     """Every decision takes the measured cheaper shape, except the rechecks, which take the
     other one (so a cost that drifted is seen again), further apart while nothing changes."""
-    rule = measured({8: whole, 4: whole * half_share / 2})
+    rule = measured(8, whole, whole * half_share)
     cheaper = whole * half_share < DecodeCallCosts.MARGIN * whole
     rechecks = recheck_positions(decisions)
     for n in range(1, decisions + 1):
@@ -114,10 +130,10 @@ def test_once_measured_the_cheaper_shape_wins_but_for_rechecks(whole: float, hal
 def test_rechecks_come_soon_again_once_the_choice_changes() -> None:
     """Rechecks far apart after a long steady run; when the costs move enough to change the
     choice, the next recheck is RECHECK_EVERY decisions away again."""
-    rule = measured({8: 200.0, 4: 150.0})  # halves 300 ms against 200: run whole
+    rule = measured(8, 200.0, 300.0)  # halves 300 ms against 200: run whole
     steady = sum(1 for _ in range(1000) if rule.halves(8))
     assert steady == len(recheck_positions(1000)) == 5  # at 32, 96, 224, 480 and 992
     for _ in range(20):
-        rule.observe(4, 60.0)  # the halves got cheap: 120 ms against 200
+        rule.observe_halved(8, 120.0)  # the halves got cheap: 120 ms against 200
     choices = [rule.halves(8) for _ in range(RECHECK_EVERY)]
     assert choices == [True] * (RECHECK_EVERY - 1) + [False]

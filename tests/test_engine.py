@@ -119,10 +119,22 @@ async def test_halved_iterations_answer_every_session_as_one_call_would(
         calls_per_iteration = Counter(r.iteration for r in engine.iterations)
         decode_only = engine.executor.pace.steps.measured()
         halved = engine.stats()["decode_halved_total"]
+        costs = engine.executor.call_costs
+        halved_rows = Counter(
+            sum(rows for r in engine.iterations if r.iteration == it for _, _, rows, _, _ in r.chunks)
+            for it, n in calls_per_iteration.items()
+            if n == 2
+        )
     assert together == solo
     assert (max(calls_per_iteration.values()) == 2) == split_decodes
     assert halved == sum(1 for n in calls_per_iteration.values() if n == 2), "stats count each halved iteration"
     assert decode_only, "the pace measured decode steps (a halved iteration counts as one)"
+    # Each halved iteration is one measurement of halving its rows, none of a half's own size:
+    # whole calls are measured only where nothing was halved (one row).
+    assert {rows: costs.halved.count(rows) for rows in costs.halved.samples} == {
+        rows: min(n, costs.halved.keep) for rows, n in halved_rows.items()
+    }
+    assert set(costs.whole.samples) <= ({1} if split_decodes else set())
 
 
 async def test_long_prefill_delays_no_decode_by_more_than_one_iteration(tiny_model: Path) -> None:
