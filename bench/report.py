@@ -49,8 +49,8 @@ from bench.processes import Processes, free_ports, node_ready, open_processes, s
 from bench.progress import say
 from bench.proofs import default_mode, invariant_proof
 from bench.python_peer import PythonPeer, open_llama, run_serial
+from bench.server_peer import calls_between, healthy, metrics, preemptions_of, server_command, weight_buffers
 from bench.server_peer import closed_loop as server_loop
-from bench.server_peer import healthy, server_command, weight_buffers
 from bench.stats_sampler import StatsSampler
 from bench.systems import ALL, BARE, CHAIN, NODE_FAST, PYTHON, SERVER, SLOTS
 from bench.systems import NODE as SINGLE
@@ -159,6 +159,7 @@ class Nodes:
     burst: str
     server_port: int | None
     server_note: str
+    server_pid: int | None = None
 
 
 def start_all(
@@ -198,7 +199,8 @@ def start_all(
         cmd = server_command(binary, model, port, SLOTS, plan.ctx_per_slot, 2, weight_placement(model))
         if procs.start("llama-server", faults.command("llama-server", cmd), lambda _log: healthy(port)):
             say(f"started llama-server: http://127.0.0.1:{port} ({note})")
-    return Nodes(single, head, tail, single_fast, single_inv, head_inv, burst_node, port, note)
+    pid = procs.running["llama-server"].pid if "llama-server" in procs.running else None
+    return Nodes(single, head, tail, single_fast, single_inv, head_inv, burst_node, port, note, pid)
 
 
 # -- kernel paths ---------------------------------------------------------------------------
@@ -311,12 +313,41 @@ async def node_run(
         return traces, wall
 
 
+def server_counters(port: int, pid: int | None) -> dict[str, float] | None:
+    """llama-server's metrics and its threads' preemptions now; None once it no longer answers."""
+    try:
+        found = metrics(port)
+    except (OSError, RuntimeError, ValueError):
+        return None
+    return found if pid is None else found | {"preemptions": preemptions_of(pid)}
+
+
+def server_use(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, Any] | None:
+    """llama-server's llama_decode calls over a run (its metrics count no rows and no time inside them)."""
+    if before is None or after is None or "n_decode_total" not in before or "n_decode_total" not in after:
+        return None
+    use = {k: int(v) for k, v in calls_between(before, after).items()}
+    if "preemptions" in before and "preemptions" in after:
+        use["preemptions"] = int(after["preemptions"] - before["preemptions"])
+    return use
+
+
 async def server_run(
-    port: int, requests: list[Request], c: int, _tag: str, armed: Callable[[], None]
+    server: tuple[int, int | None],
+    used: dict[str, dict[str, Any]],
+    requests: list[Request],
+    c: int,
+    tag: str,
+    armed: Callable[[], None],
 ) -> tuple[list[Trace], float]:
+    """`server`: llama-server's port and pid. Its calls over the run go to `used[tag]`."""
+    before = await trio.to_thread.run_sync(server_counters, *server)
     armed()
-    loop = partial(server_loop, port, requests, c)
-    return await trio.to_thread.run_sync(loop, abandon_on_cancel=True)  # its threads fail once the server is gone
+    loop = partial(server_loop, server[0], requests, c)
+    got = await trio.to_thread.run_sync(loop, abandon_on_cancel=True)  # its threads fail once the server is gone
+    if (use := server_use(before, await trio.to_thread.run_sync(server_counters, *server))) is not None:
+        used[tag] = use
+    return got
 
 
 async def bare_run(
@@ -346,7 +377,7 @@ def sweep_runs(nodes: Nodes, bare: BareLoop, llm: PythonPeer | None, used: dict[
     if nodes.single_fast:
         runs[NODE_FAST] = partial(node_run, nodes.single_fast, used)
     if nodes.server_port is not None:
-        runs[SERVER] = partial(server_run, nodes.server_port)
+        runs[SERVER] = partial(server_run, (nodes.server_port, nodes.server_pid), used)
     if llm is not None:
         runs[PYTHON] = partial(python_run, llm)
     return runs

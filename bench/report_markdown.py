@@ -314,34 +314,65 @@ def _engine_use(r: dict[str, Any], cs: list[int]) -> str:
     used = [{**run, **run["engine"]} for run in r["runs"] if run.get("engine")]
     if not used:
         return ""
-    keys = ("batches", "decode_batches", "decode_rows", "llama_decode_s", "llama_decode_share", "step_s", "preemptions")
-    m = {key: mean_by(used, key) for key in keys}
-    rows = []
-    for system, c in ((s, c) for s in ALL for c in cs if c in m["batches"].get(s, {})):
-        calls, seconds, share = (m[k][system][c] for k in ("decode_batches", "llama_decode_s", "llama_decode_share"))
-        fill = round(m["decode_rows"][system][c] / calls, 2) if calls else None
-        batches = m["batches"][system][c]
-        row = [system, str(c), round(batches, 1), round(calls, 1), fill]
-        steps, preempted = (m[k].get(system, {}).get(c) for k in ("step_s", "preemptions"))
-        per_call = "–" if preempted is None or not batches else round(preempted / batches, 2)
-        rows.append([*row, round(seconds, 2), f"{share:.0%}", "–" if steps is None else round(steps, 2), per_call])
+    m = {key: mean_by(used, key) for key in ENGINE_USE_KEYS}
+    rows = [_use_row(m, s, c) for s in ALL for c in cs if c in m["batches"].get(s, {})]
     return "\n".join(
         [
             "## Where the time goes: llama_decode calls per run",
             "",
-            "Counted by each node's engine (`stats` before and after every run; the chain: its head) "
-            "and by the bare loop itself; means over repetitions. A call's cost grows slowly with its "
+            "Counted by each node's engine (`stats` before and after every run; the chain: its head), "
+            "by the bare loop itself and by llama-server's metrics (`--metrics`, read before and after "
+            "every run); means over repetitions. A call's cost grows slowly with its "
             "rows, so fewer, fuller calls make more tokens per second. Time in llama_decode is the call "
             "alone (a node's `llama_decode_seconds_total`); a node's steps (`step_seconds`) also count "
             "the sampling of the call's tokens and the hand-off to and from its compute thread (the bare "
-            "loop samples outside its calls: its steps are its calls). Preempted: the process's "
+            "loop samples outside its calls: its steps are its calls). llama-server counts its calls "
+            "(`n_decode_total`) and the slots busy in each (`n_busy_slots_per_decode`: a slot decoding "
+            "adds one row, a slot prefilling adds its prompt chunk), not their rows or their time. "
+            "Preempted: the process's "
             "involuntary context switches over the run (a node's `preemptions_total`; the bench's own "
-            "process for the bare loop), per call: each one stops a member of the OpenMP team, and "
-            "the team waits for it at its next barrier.",
+            "process for the bare loop; llama-server's threads alive at the two readings), per call: "
+            "each one stops a member of the OpenMP team, and the team waits for it at its next barrier.",
             "",
             table(ENGINE_USE_COLUMNS, rows),
         ]
     )
+
+
+ENGINE_USE_KEYS = (
+    "batches",
+    "decode_batches",
+    "decode_rows",
+    "busy_slots",
+    "llama_decode_s",
+    "llama_decode_share",
+    "step_s",
+    "preemptions",
+)
+
+
+def _use_row(m: dict[str, dict[str, dict[int, float]]], system: str, c: int) -> list[Any]:
+    """One row of the calls table; what a system does not count shows as –."""
+    got = {k: m[k].get(system, {}).get(c) for k in ENGINE_USE_KEYS}
+    batches, calls = got["batches"], got["decode_batches"]
+    fill: Any = "–"
+    if calls and got["decode_rows"] is not None:
+        fill = round(got["decode_rows"] / calls, 2)
+    elif got["busy_slots"] is not None and batches:
+        fill = f"{got['busy_slots'] / batches:.2f} busy slots"
+    timed = ("llama_decode_s", "llama_decode_share", "step_s", "preemptions")
+    seconds, share, steps, preempted = (got[k] for k in timed)
+    return [
+        system,
+        str(c),
+        round(batches, 1) if batches is not None else "–",
+        "–" if calls is None else round(calls, 1),
+        fill,
+        "–" if seconds is None else round(seconds, 2),
+        "–" if share is None else f"{share:.0%}",
+        "–" if steps is None else round(steps, 2),
+        "–" if preempted is None or not batches else round(preempted / batches, 2),
+    ]
 
 
 NO_PROOFS = """## Corruption proof, default mode, burst

@@ -57,6 +57,7 @@ def server_command(
         "--no-webui",
         "-lv",
         "4",
+        "--metrics",
         *kernel_args(placement),
     ]
 
@@ -76,6 +77,51 @@ def healthy(port: int) -> bool:
         return ok
     except OSError:
         return False
+
+
+def metrics(port: int) -> dict[str, float]:
+    """llama-server's own counters (`--metrics`, Prometheus text), by name without `llamacpp:`."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request("GET", "/metrics")
+        resp = conn.getresponse()
+        text = resp.read().decode(errors="replace")
+        if resp.status != 200:
+            raise RuntimeError(f"llama-server's /metrics answered {resp.status}: {text[:200]!r}")
+    finally:
+        conn.close()
+    return parsed_metrics(text)
+
+
+def parsed_metrics(text: str) -> dict[str, float]:
+    """`llamacpp:NAME VALUE` lines; comments, labelled series and other prefixes are skipped."""
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name.startswith("llamacpp:") and "{" not in name:
+            found[name.removeprefix("llamacpp:")] = float(value)
+    return found
+
+
+def calls_between(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """llama-server's llama_decode calls between two readings of its metrics, and its busy slots
+    per call: `n_busy_slots_per_decode` is an average since it started, over `n_decode_total` calls."""
+    calls = after["n_decode_total"] - before["n_decode_total"]
+    busy = after["n_busy_slots_per_decode"] * after["n_decode_total"]
+    busy -= before["n_busy_slots_per_decode"] * before["n_decode_total"]
+    return {"batches": calls, "busy_slots": round(busy)}
+
+
+def preemptions_of(pid: int, proc: Path = Path("/proc")) -> int:
+    """Involuntary context switches of another process's threads alive now (/proc/PID/task/*/status)."""
+    total = 0
+    for status in (proc / str(pid) / "task").glob("*/status"):
+        try:
+            lines = status.read_text().splitlines()
+        except OSError:
+            continue  # the thread ended meanwhile
+        total += sum(int(line.split()[1]) for line in lines if line.startswith("nonvoluntary_ctxt_switches"))
+    return total
 
 
 def complete(port: int, req: Request) -> Trace:
