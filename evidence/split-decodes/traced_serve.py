@@ -1,4 +1,4 @@
-"""`neuron-tai serve` with every split decision of 5 or more decode rows written to $DECISIONS:
+"""`neuron-tai serve` with every split decision of $MIN_ROWS (default 5) or more decode rows written to $DECISIONS:
 the rows, the choice, and the costs it was made from. Works on the checkout first on PYTHONPATH,
 before 2d74320 (costs by call size: `ms`) and after (by iteration size and choice: `whole`, `halved`)."""
 
@@ -10,6 +10,7 @@ import engine.call_split as cs
 
 decide = cs.DecodeCallCosts.halves
 out = open(os.environ["DECISIONS"], "a", buffering=1)  # noqa: SIM115
+least = int(os.environ.get("MIN_ROWS", "5"))
 
 
 def costs(rule: cs.DecodeCallCosts, rows: int) -> dict[str, list[int]]:
@@ -21,7 +22,7 @@ def costs(rule: cs.DecodeCallCosts, rows: int) -> dict[str, list[int]]:
 
 def halves(self: cs.DecodeCallCosts, rows: int) -> bool:
     got = decide(self, rows)
-    if rows >= 5:
+    if rows >= least:
         print(f"{time.monotonic():.3f} decide {rows} -> {got} {costs(self, rows)}", file=out)
     return got
 
