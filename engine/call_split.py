@@ -10,10 +10,12 @@ more at every size, and then nothing is split.
 
 The policy: keep, for each size of decode-only iteration, the cost of each choice measured as
 that choice: the whole call's milliseconds, and a halved iteration's two calls together. Not
-the halves' sizes measured elsewhere: a 4-row call measured while four sessions decoded, minutes
+the halves' sizes measured elsewhere: a 4-row call measured while four sessions decoded, a run
 before, is no price for the halves of 8 rows now (the host's speed drifts, contexts grow; on an
-AMD EPYC (Zen 4) 4-row calls measured 85-95 ms at the end of such a run and 74-77 ms as the
-halves of 8 rows right after, which flipped the choice for 32 iterations). A size's choices
+AMD EPYC (Zen 4) 4-row calls measured 85-90 ms at the end of such a run kept 8 rows (169 ms)
+whole for 32 iterations, and then, at 80-87 ms beside whole calls of 171-180, left the choice
+within the margin, where it went back and forth; a halved iteration of 8 rows measured as one
+cost 143-147 ms beside whole calls of 162-165). A size's choices
 are measured `PROBES` times each, alternating (the whole call first), before they are
 compared. A choice's cost is the lower median of its last `RECENT` measurements, not a
 running average: one iteration stretched by the machine (the host stalls, the process is
