@@ -104,8 +104,9 @@ def parsed_metrics(text: str) -> dict[str, float]:
 
 
 def calls_between(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """llama-server's llama_decode calls between two readings of its metrics, and its busy slots
-    per call: `n_busy_slots_per_decode` is an average since it started, over `n_decode_total` calls."""
+    """llama-server's llama_decode calls between two readings of its metrics, and the slots busy in
+    them (each slot serving a request counts once a call, decoding or prefilling):
+    `n_busy_slots_per_decode` is an average since it started, over `n_decode_total` calls."""
     calls = after["n_decode_total"] - before["n_decode_total"]
     busy = after["n_busy_slots_per_decode"] * after["n_decode_total"]
     busy -= before["n_busy_slots_per_decode"] * before["n_decode_total"]
