@@ -49,7 +49,8 @@ from bench.processes import Processes, free_ports, node_ready, open_processes, s
 from bench.progress import say
 from bench.proofs import default_mode, invariant_proof
 from bench.python_peer import PythonPeer, open_llama, run_serial
-from bench.server_peer import calls_between, healthy, metrics, preemptions_of, server_command, weight_buffers
+from bench.rss import preemptions_of
+from bench.server_peer import calls_between, healthy, metrics, server_command, weight_buffers
 from bench.server_peer import closed_loop as server_loop
 from bench.stats_sampler import StatsSampler
 from bench.systems import ALL, BARE, CHAIN, NODE_FAST, PYTHON, SERVER, SLOTS
@@ -322,13 +323,13 @@ def server_counters(port: int, pid: int | None) -> dict[str, float] | None:
     return found if pid is None else found | {"preemptions": preemptions_of(pid)}
 
 
-def server_use(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, Any] | None:
+def server_use(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, int] | None:
     """llama-server's llama_decode calls over a run (its metrics count no rows and no time inside them)."""
     if before is None or after is None or "n_decode_total" not in before or "n_decode_total" not in after:
         return None
-    use = {k: int(v) for k, v in calls_between(before, after).items()}
+    use = calls_between(before, after)
     if "preemptions" in before and "preemptions" in after:
-        use["preemptions"] = int(after["preemptions"] - before["preemptions"])
+        use["preemptions"] = round(after["preemptions"] - before["preemptions"])
     return use
 
 

@@ -1,4 +1,5 @@
-"""Resident memory of the bench's processes, read from /proc/PID/status.
+"""The bench's processes as /proc/PID/status tells them: resident memory, and how often the
+kernel took a core from their threads.
 
 `VmRSS` is what a process holds now; `VmHWM` the most it ever held (the kernel's own peak,
 so a spike between two samples is not missed).
@@ -16,20 +17,33 @@ class Memory:
     hwm_kib: int
 
 
-def read_memory(pid: int) -> Memory | None:
-    """VmRSS and VmHWM of `pid`; None once it has exited."""
+def status_values(status: Path, keys: tuple[str, ...]) -> dict[str, int] | None:
+    """The first number of each of `keys`' lines in a /proc status file; None once it is gone."""
     try:
-        text = Path(f"/proc/{pid}/status").read_text()
+        text = status.read_text()
     except OSError:
         return None
     values: dict[str, int] = {}
     for line in text.splitlines():
         key, _, rest = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            values[key] = int(rest.split()[0])  # kB
-    if len(values) < 2:
-        return None  # a zombie has no memory lines
+        if key in keys:
+            values[key] = int(rest.split()[0])
+    return values
+
+
+def read_memory(pid: int) -> Memory | None:
+    """VmRSS and VmHWM of `pid` (kB); None once it has exited."""
+    values = status_values(Path(f"/proc/{pid}/status"), ("VmRSS", "VmHWM"))
+    if values is None or len(values) < 2:
+        return None  # gone, or a zombie, which has no memory lines
     return Memory(values["VmRSS"], values["VmHWM"])
+
+
+def preemptions_of(pid: int, proc: Path = Path("/proc")) -> int:
+    """Involuntary context switches of another process's threads alive now (/proc/PID/task/*/status)."""
+    key = "nonvoluntary_ctxt_switches"
+    counts = (status_values(status, (key,)) for status in (proc / str(pid) / "task").glob("*/status"))
+    return sum(found.get(key, 0) for found in counts if found is not None)  # None: the thread ended meanwhile
 
 
 @dataclass(slots=True)

@@ -103,26 +103,14 @@ def parsed_metrics(text: str) -> dict[str, float]:
     return found
 
 
-def calls_between(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+def calls_between(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
     """llama-server's llama_decode calls between two readings of its metrics, and the slots busy in
     them (each slot serving a request counts once a call, decoding or prefilling):
     `n_busy_slots_per_decode` is an average since it started, over `n_decode_total` calls."""
     calls = after["n_decode_total"] - before["n_decode_total"]
     busy = after["n_busy_slots_per_decode"] * after["n_decode_total"]
     busy -= before["n_busy_slots_per_decode"] * before["n_decode_total"]
-    return {"batches": calls, "busy_slots": round(busy)}
-
-
-def preemptions_of(pid: int, proc: Path = Path("/proc")) -> int:
-    """Involuntary context switches of another process's threads alive now (/proc/PID/task/*/status)."""
-    total = 0
-    for status in (proc / str(pid) / "task").glob("*/status"):
-        try:
-            lines = status.read_text().splitlines()
-        except OSError:
-            continue  # the thread ended meanwhile
-        total += sum(int(line.split()[1]) for line in lines if line.startswith("nonvoluntary_ctxt_switches"))
-    return total
+    return {"batches": round(calls), "busy_slots": round(busy)}
 
 
 def complete(port: int, req: Request) -> Trace:

@@ -139,7 +139,7 @@ class Executor:
         rows, ms, calls = self._halved_so_far
         if rows:
             self.pace.observe(rows, 0, ms)
-        if rows and calls == planned and self.halves is not None:
+        if rows and calls == planned:  # only a plan asked `halves` is halved
             self.call_costs.observe_halved(rows, ms)
         self._halved_so_far = (0, 0.0, 0)
 

@@ -6,7 +6,8 @@ from pathlib import Path
 
 from bench.report import server_use
 from bench.report_markdown import ENGINE_USE_KEYS, _use_row
-from bench.server_peer import parsed_metrics, preemptions_of
+from bench.rss import preemptions_of
+from bench.server_peer import parsed_metrics
 
 # As llama.cpp's server writes it (server_task_result_metrics::to_metrics), shortened.
 METRICS = """# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.
