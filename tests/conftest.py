@@ -37,6 +37,17 @@ TINY_SHAPED = TinySpec(
 )
 
 
+@pytest.fixture(scope="session", autouse=True)
+def own_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Shards, measured costs and peer binaries the suite (and every process it starts) caches
+    go under the session's own directory, never the user's ~/.cache: a run leaves nothing
+    behind and never finds what an earlier run or the bench left there."""
+    cache = tmp_path_factory.mktemp("xdg-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_CACHE_HOME", str(cache))
+        yield cache
+
+
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("models")
