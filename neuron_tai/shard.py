@@ -2,7 +2,8 @@
 
 A shard of layers [a, b) keeps all metadata, sets `{arch}.block_count = b - a`,
 keeps blocks a..b-1 renumbered from 0 and every tensor outside the blocks (the
-loader requires them; with mmap a stage never touches what it does not use).
+loader requires them; with mmap a stage never touches what it does not use), their data
+grouped by type (`grouped_by_type` says why).
 Per-layer metadata arrays are sliced, and a sliding-window pattern that llama.cpp
 would otherwise derive from the (renumbered) layer index is written explicitly.
 Metadata the shard does not change is copied byte for byte, and tensor data is
@@ -184,7 +185,8 @@ def _shard_entries(header: Header, arch: str, layers: ModelFacts, start: int, en
 
 
 def _shard_tensors(header: Header, start: int, end: int) -> list[tuple[str, TensorInfo]]:
-    """Every tensor outside the blocks, and the blocks of the range renumbered from 0."""
+    """Every tensor outside the blocks, and the blocks of the range renumbered from 0, in the
+    order their data is written: grouped by type (`grouped_by_type`), the source's within one."""
     kept = []
     for t in header.tensors:
         m = _BLOCK.match(t.name)
@@ -192,7 +194,21 @@ def _shard_tensors(header: Header, start: int, end: int) -> list[tuple[str, Tens
             kept.append((t.name, t))
         elif start <= int(m.group(1)) < end:
             kept.append((f"blk.{int(m.group(1)) - start}.{m.group(2)}", t))
-    return kept
+    return sorted(kept, key=lambda named: named[1].ggml_type)
+
+
+def grouped_by_type(header: Header) -> bool:
+    """Whether the file's tensor data lies grouped by type, as shards write it.
+
+    llama.cpp copies the matrices it repacks out of the mapped file and computes with the rest
+    in place, the small F32 norms among them. Reading a norm maps the whole page-cache folio
+    around it (up to 2 MiB on Linux 6.x, after a load read the file in large folios), so with
+    each layer's tensors side by side a stage held megabytes of its repacked matrices' file
+    pages beside their copies: 23 MiB on a 1B model's 5-layer last stage, 53 MiB on an 11-layer
+    first stage. Grouped, the norms border each other and the in-place types border few
+    repacked ones."""
+    types = [t.ggml_type for t in sorted(header.tensors, key=lambda t: t.offset)]
+    return types == sorted(types)
 
 
 def _align(n: int, alignment: int) -> int:

@@ -5,8 +5,8 @@ ranges of the same models; writing each anew costs a model's size on disk every 
 1B model's splits, once per suite, filled gigabytes). Each source file has a folder of its
 own, named after its stem and its resolved path: two models of one name in different
 places never share a shard. A kept shard is current while it is no older than its source,
-reads as a GGUF file and carries its capture block (shards written before shards had one
-are rewritten). Writing is atomic (`write_shard`), so a run stopped mid-write leaves no
+reads as a GGUF file, carries its capture block and has its tensors grouped by type (shards
+written before either are rewritten). Writing is atomic (`write_shard`), so a run stopped mid-write leaves no
 half shard behind.
 """
 
@@ -23,6 +23,7 @@ from engine.gguf_header import Header
 from neuron_tai.shard import (
     ShardError,
     check_layer_range,
+    grouped_by_type,
     open_header,
     read_model_layers,
     shard_name,
@@ -66,12 +67,15 @@ def source_folder(model: Path) -> str:
 
 
 def _current(shard: Path, model: Path, facts: ModelFacts) -> bool:
-    """A kept shard to serve as it is; one that is stale, from before capture blocks or no
-    longer a readable GGUF (changed by hand, a disk error) is written again."""
+    """A kept shard to serve as it is; one that is stale, from before capture blocks or tensors
+    grouped by type, or no longer a readable GGUF (changed by hand, a disk error) is written again."""
     if not shard.exists() or shard.stat().st_mtime < model.stat().st_mtime:
         return False
     try:
-        written = read_model_layers(shard)
+        header = open_header(shard)
+        written = read_model_layers(shard, header)
     except ShardError:
         return False
-    return not (written.end < facts.end and written.capture_blocks == 0)  # before capture blocks
+    if written.end < facts.end and written.capture_blocks == 0:  # before capture blocks
+        return False
+    return grouped_by_type(header)  # written before shards grouped their tensors: held more memory

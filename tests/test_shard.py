@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from neuron_tai.cli import main
 from neuron_tai.shard import (
     ShardError,
     balanced_bounds,
+    grouped_by_type,
     layer_weights,
     open_header,
     read_model_layers,
@@ -62,6 +64,17 @@ def test_shard_keeps_range_renumbered_with_source_metadata(
     assert (layers.block_count, layers.capture_blocks, len(layers.k_widths)) == (2, 1, 3)
     last = read_model_layers(write_shard(tiny_model, 3, 4, tmp_path / "last.gguf"))
     assert (last.block_count, last.capture_blocks) == (1, 0)  # the model's end: nothing to capture
+
+
+def test_a_shards_tensor_data_lies_grouped_by_type_and_unchanged(tiny_quant: Path, tmp_path: Path) -> None:
+    assert not grouped_by_type(open_header(tiny_quant))  # the source interleaves F32, Q4_K and Q6_K per layer
+    out = write_shard(tiny_quant, 1, 3, tmp_path / "mid.gguf")
+    assert grouped_by_type(open_header(out))
+    src = {t.name: t for t in open_reader(tiny_quant).tensors}
+    for t in open_reader(out).tensors:
+        m = re.match(r"blk\.(\d+)\.(.*)", t.name)
+        name = f"blk.{int(m.group(1)) + 1}.{m.group(2)}" if m else t.name
+        assert t.tensor_type == src[name].tensor_type and np.array_equal(t.data, src[name].data), t.name
 
 
 def test_shard_of_a_shard_reports_source_positions(tiny_model: Path, tmp_path: Path) -> None:

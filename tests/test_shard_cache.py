@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from neuron_tai.shard import ShardError, read_model_layers, shard_name
+from engine.gguf_header import Header, TensorInfo
+from neuron_tai import shard as shard_module
+from neuron_tai.shard import ShardError, grouped_by_type, open_header, read_model_layers, shard_name
 from neuron_tai.shard_cache import cached_shard, cached_stages, source_folder, user_shard_dir
 from testkit.models import TinySpec, write_tiny_model
 
@@ -33,6 +35,25 @@ def test_a_kept_shard_that_no_longer_reads_is_written_again(tiny_model: Path, tm
     shard.write_bytes(b"GGUF but not a model")  # newer than its source, and unreadable
     assert cached_shard(tiny_model, 0, 2, tmp_path / "cache") == shard
     assert read_model_layers(shard).end == 2
+
+
+def test_a_kept_shard_in_its_sources_tensor_order_is_written_again(
+    tiny_quant: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    grouped = shard_module._shard_tensors
+
+    def in_source_order(header: Header, start: int, end: int) -> list[tuple[str, TensorInfo]]:
+        return sorted(grouped(header, start, end), key=lambda named: named[1].offset)
+
+    with monkeypatch.context() as patch:  # as shards were written before they grouped their tensors
+        patch.setattr(shard_module, "_shard_tensors", in_source_order)
+        shard = cached_shard(tiny_quant, 0, 2, tmp_path / "cache")
+    assert not grouped_by_type(open_header(shard))
+    kept = shard.stat().st_ino
+    assert cached_shard(tiny_quant, 0, 2, tmp_path / "cache") == shard and shard.stat().st_ino != kept
+    assert grouped_by_type(open_header(shard))
+    rewritten = shard.stat().st_ino
+    assert cached_shard(tiny_quant, 0, 2, tmp_path / "cache") == shard and shard.stat().st_ino == rewritten
 
 
 def test_a_killed_writers_half_shard_is_removed_and_a_living_ones_kept(tiny_model: Path, tmp_path: Path) -> None:
