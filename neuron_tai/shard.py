@@ -202,11 +202,11 @@ def grouped_by_type(header: Header) -> bool:
 
     llama.cpp copies the matrices it repacks out of the mapped file and computes with the rest
     in place, the small F32 norms among them. Reading a norm maps the whole page-cache folio
-    around it (up to 2 MiB on Linux 6.x, after a load read the file in large folios), so with
+    around it (up to 2 MiB on Linux 6.18, once a load read the file into large folios), so with
     each layer's tensors side by side a stage held megabytes of its repacked matrices' file
-    pages beside their copies: 23 MiB on a 1B model's 5-layer last stage, 53 MiB on an 11-layer
-    first stage. Grouped, the norms border each other and the in-place types border few
-    repacked ones."""
+    pages beside their copies: 23 MiB on a 1B model's 5-layer last stage, 52 MiB on an 11-layer
+    first stage (evidence/shard-layout/). Grouped, the norms border each other and the in-place
+    types border few repacked ones."""
     types = [t.ggml_type for t in sorted(header.tensors, key=lambda t: t.offset)]
     return types == sorted(types)
 
