@@ -39,6 +39,7 @@ from bench.node_driver import generate
 from bench.workload import Request
 from engine.config import EngineConfig
 from engine.engine import Engine, open_engine
+from engine.gguf_facts import read_facts
 from engine.messages import CloseRequest, Opened, OpenRequest, Output, StepDone, StepRequest
 from neuron_tai.client import NodeError, StepReply
 from protocol.errors import Fault
@@ -153,7 +154,7 @@ async def sweep(args: argparse.Namespace, cfg: EngineConfig) -> dict[str, Any]:
     async with open_engine(cfg) as engine:
         # The bare loop runs on the engine's compute thread: one OpenMP team in the process
         # (a second calling thread would bring a second team spinning on the same cores).
-        bare = await engine.compute.run(BareLoop, cfg.model, cfg.context())
+        bare = await engine.compute.run(BareLoop, cfg.model, cfg.context(read_facts(cfg.model)))
         for concurrency in (1, 2, 4, 8):
             prompts = prompt_tokens(engine.backend, concurrency)
             ours, theirs, traces_all, peaks, occ = [], [], [], [], []

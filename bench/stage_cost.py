@@ -17,6 +17,7 @@ target weights + KV + 25%.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import multiprocessing
 import statistics
 import sys
@@ -28,6 +29,7 @@ import numpy as np
 
 from bench.common import SHARDS, bench_model, interleaved, shown, write_result
 from engine.backend import ContextConfig, Segment, StageBackend
+from engine.config import default_n_ubatch
 from engine.gguf_facts import read_facts
 from engine.llama_handles import logged_buffers
 from engine.messages import Output
@@ -78,7 +80,8 @@ def step_ms(path: Path, steps: int) -> dict[int, float]:
 def stage_memory(path: Path) -> dict[str, float]:
     """MiB a stage holds after a full prefill batch and 8-row decode steps (run in a fresh process)."""
     base = resident_memory()  # the interpreter and the libraries, before the model
-    backend = StageBackend(path, CONTEXT)
+    context = dataclasses.replace(CONTEXT, n_ubatch=default_n_ubatch(read_facts(path)))  # as `serve` runs it
+    backend = StageBackend(path, context)
     try:
         info, n = backend.info, CONTEXT.n_batch
         out = Output.TOKEN if info.last else Output.HIDDEN

@@ -81,7 +81,7 @@ Asked = OpenRequest | StepRequest | CloseRequest  # what `Engine.request` takes
 
 def plan_budgets(config: EngineConfig, facts: ModelFacts) -> tuple[Budgets, int]:
     """Weights and KV from the model's shape, before llama.cpp allocates; raises BudgetError."""
-    ctx = config.context()
+    ctx = config.context(facts)
     shape = KvShape(facts.k_widths, facts.v_widths, facts.swa, facts.n_swa)
     n_seqs = context_sequences(ctx.n_seq_max, facts.n_swa)  # the backend's: a window pin per sequence
     layout = kv_layout(shape, ctx.n_ctx, n_seqs, ctx.n_ubatch, KV_TYPES[ctx.kv_type][1], ctx.swa_full)
@@ -503,7 +503,7 @@ async def open_engine(config: EngineConfig) -> AsyncIterator[Engine]:
     budgets, cells = plan_budgets(config, facts)
     compute = ComputeThread()
     try:
-        backend = await compute.run(StageBackend, config.model, config.context())
+        backend = await compute.run(StageBackend, config.model, config.context(facts))
         model = backend.model
         buffers = ", ".join(f"{name} {size / 2**20:.1f} MiB" for name, size in model.weight_buffers.items())
         log.info("weights on the %s kernel path (asked: %s; %s)", model.kernel_path.value, config.kernels, buffers)

@@ -85,10 +85,8 @@ def node_config(values: Mapping[str, Any]) -> NodeConfig:
     model = stage_model(values["model"], serve.layers)
     config: NodeConfig = build(NodeConfig, options, {**values, "model": model})
     facts = read_model_layers(model)
-    engine = config.engine
     return dataclasses.replace(
         config,
-        engine=dataclasses.replace(engine, n_ubatch=min(engine.n_batch, engine.n_ubatch)),
         curve=curve,
         extra_stats={
             "model": facts.name,

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from engine.config import EngineConfig
+from engine.gguf_facts import read_facts
 from neuron_tai.cli import build_parser
 from neuron_tai.cli_options import OptionError
 from neuron_tai.cli_serve import node_config, serve_options, with_config_file
@@ -48,7 +49,19 @@ def test_options_reach_the_node_config(tiny_model: Path) -> None:
     assert got == (3, *(n * 2**20 for n in range(1, 6)))
     engine = cfg.engine
     assert (engine.limits.kv, engine.flash_attn, engine.compact_at, engine.idle_timeout_s) == (2**30, False, None, 2.5)
-    assert (engine.n_threads, engine.n_batch, engine.n_ubatch) == (1, 64, 64)  # n_ubatch follows a smaller n_batch
+    assert (engine.n_threads, engine.n_batch) == (1, 64)
+    assert engine.context(read_facts(tiny_model)).n_ubatch == 64  # micro-batches follow a smaller n_batch
+
+
+def test_a_chains_last_stage_computes_prompts_in_smaller_micro_batches(
+    tiny_model: Path, tiny_shards3: list[Path]
+) -> None:
+    def rows(path: Path, *flags: str) -> int:
+        return node_config(values("serve", str(path), *flags)).engine.context(read_facts(path)).n_ubatch
+
+    assert [rows(p) for p in (tiny_model, *tiny_shards3)] == [512, 512, 512, 128]  # whole, head, middle, last
+    assert rows(tiny_shards3[-1], "--n-ubatch", "256") == rows(tiny_model, "--n-ubatch", "256") == 256
+    assert rows(tiny_shards3[-1], "--n-batch", "64") == 64
 
 
 def test_config_file_then_command_line(tiny_model: Path, tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from engine.budgets import BudgetError, Limits
 from engine.call_split import DecodeCallCosts
 from engine.config import EngineConfig
 from engine.engine import Engine, open_engine
+from engine.gguf_facts import read_facts
 from engine.kernels import INVARIANT_PAD_ROWS
 from engine.messages import (
     CloseAnswered,
@@ -544,7 +545,7 @@ async def test_stats_report_memory_part_by_part_and_what_the_process_holds(
     for path in (tiny_model, tiny_shards2[0]):
         async with open_engine(config(path)) as engine:
             stats = engine.stats()
-            info, ctx = engine.info, engine.config.context()
+            info, ctx = engine.info, engine.config.context(read_facts(path))
         assert stats["scratch_bytes"] == stats["compute_bytes"] + stats["output_buffer_bytes"] > 0
         # llama.cpp keeps a logits row per output row; a non-last stage asks for none (its capture
         # block), a last stage for up to a whole batch (`out: "tokens"`: every row of a step)
@@ -596,12 +597,11 @@ def test_kv_budget_matches_llama_cpp_allocation(
     model: str, kv_type: str, cells: int, request: pytest.FixtureRequest
 ) -> None:
     from engine.engine import plan_budgets  # noqa: PLC0415
-    from engine.gguf_facts import read_facts  # noqa: PLC0415
 
     path: Path = request.getfixturevalue(model)
     cfg = config(path, kv_cells=cells, kv_type=kv_type, max_sessions=4)
     budgets, padded = plan_budgets(cfg, read_facts(path))
-    backend = StageBackend(path, cfg.context())
+    backend = StageBackend(path, cfg.context(read_facts(path)))
     try:
         logged = [line for line in backend.context_log if "KV buffer size" in line]
         llama_bytes = sum(float(line.rsplit("=", 1)[1].split()[0]) for line in logged) * 2**20
