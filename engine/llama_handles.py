@@ -20,7 +20,8 @@ import llama_cpp as lc
 import numpy as np
 import numpy.typing as npt
 
-from engine.gguf_header import read_header
+from engine.gguf_facts import facts_from_header
+from engine.gguf_header import Header, read_header
 from engine.kernels import (
     AMX_BUFFER,
     REPACK_BUFFER,
@@ -100,6 +101,7 @@ class _BuftOverride(ctypes.Structure):
     _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
 
 
+_LLAMA_LOAD_MODE_NONE = 0  # read into memory
 _LLAMA_LOAD_MODE_MMAP = 1
 _GGML_BACKEND_DEVICE_TYPE_CPU = 0
 _libggml = ctypes.CDLL(str(Path(lc.__file__).parent / "lib" / "libggml.so"))
@@ -159,6 +161,26 @@ def weight_placement(path: Path, kernels: str = "auto") -> Placement:
     return placement(chosen, offered, tensors, cpu_features())
 
 
+def reads_every_weight(header: Header, path: Path) -> bool:
+    """Whether a stage of this file computes with all of every weight it does not repack, each step.
+
+    Such a stage gains nothing from mapping its file, so llama.cpp reads it into memory instead:
+    it holds the output head, and the head is the token embedding (no `output.weight`), so not
+    even the embedding is read row by row. Mapped, a file whose tensors are not grouped by type
+    (a model as downloaded; shards are grouped, neuron_tai/shard.py) keeps more: reading each
+    small tensor in place maps its page-cache folio's neighbours, the originals of repacked
+    matrices among them (the whole 1B shape: 1125.9 MiB mapped, 1047.0 read;
+    evidence/tied-head-load/)."""
+    return facts_from_header(header, path).last and all(t.name != "output.weight" for t in header.tensors)
+
+
+def _maps(path: Path) -> bool:
+    try:
+        return not reads_every_weight(read_header(path), path)
+    except (OSError, ValueError):  # not a model: llama.cpp's loader says what is wrong with it
+        return True
+
+
 class OwnedModel:
     """A llama.cpp model pointer with one owner, and text to ids and back with its vocabulary."""
 
@@ -192,7 +214,8 @@ class LlamaModel(OwnedModel):
         ensure_backend()
         self.placement = weight_placement(path, kernels)
         params = lc.llama_model_default_params()
-        params.load_mode = _LLAMA_LOAD_MODE_MMAP
+        self.mapped = _maps(path)
+        params.load_mode = _LLAMA_LOAD_MODE_MMAP if self.mapped else _LLAMA_LOAD_MODE_NONE
         params.use_extra_bufts = self.placement.use_extra_bufts
         overrides = None
         if self.placement.repack_patterns:

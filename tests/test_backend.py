@@ -11,6 +11,7 @@ import gguf
 import numpy as np
 import pytest
 
+from engine import llama_handles
 from engine.backend import (
     ContextConfig,
     DecodeFailed,
@@ -19,7 +20,7 @@ from engine.backend import (
     StageBackend,
 )
 from engine.gguf_header import read_header
-from engine.llama_handles import LlamaModel, capture_llama_log
+from engine.llama_handles import LlamaModel, capture_llama_log, reads_every_weight
 from engine.messages import Output
 from engine.process_memory import release_mapped_file
 from neuron_tai.shard import write_stages
@@ -466,3 +467,35 @@ def test_a_non_last_stage_reserves_no_vocabulary_head(tmp_path: Path, open_backe
     tokens = np.array(prompts(2, [config.n_batch])["s0"], np.int32) % head.info.n_vocab
     hidden = head.decode([Segment(seq, 0, tokens=tokens, output=Output.HIDDEN)])[0].hidden
     assert hidden is not None and hidden.shape == (config.n_batch, head.info.n_embd)  # every row, none an output
+
+
+def _maps_file(path: Path) -> bool:
+    target = str(path.resolve())
+    return any(line.endswith(" " + target) for line in Path("/proc/self/maps").read_text().splitlines())
+
+
+def test_a_stage_holding_a_tied_head_reads_its_file_into_memory_and_computes_the_same(
+    tiny_shaped: Path, tiny_model: Path, tmp_path: Path, open_backend: OpenBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A head that is the token embedding reads all of it each step, so the stage that holds it
+    maps nothing (no page-cache neighbours come with what it reads); every other stage maps its file."""
+    tied_first, tied_last = write_stages(tiny_shaped, tmp_path / "tied", [(0, 2), (2, 4)])
+    (untied_last,) = write_stages(tiny_model, tmp_path / "untied", [(2, 4)])
+    files = (tiny_shaped, tied_first, tied_last, tiny_model, untied_last)
+    assert [reads_every_weight(read_header(p), p) for p in files] == [True, False, True, False, False]
+
+    def logits_of(backend: StageBackend) -> np.ndarray:
+        hidden = np.random.default_rng(3).standard_normal((6, backend.info.n_embd)).astype(np.float32)
+        seq = backend.open_sequence()
+        out = backend.decode([Segment(seq, 0, hidden=hidden, output=Output.LOGITS)])[0].logits
+        assert out is not None
+        return out
+
+    read = open_backend(tied_last)
+    assert not read.model.mapped and not _maps_file(tied_last)
+    untied = open_backend(untied_last)
+    assert untied.model.mapped and _maps_file(untied_last)
+    monkeypatch.setattr(llama_handles, "reads_every_weight", lambda header, path: False)
+    mapped = open_backend(tied_last)  # the same stage, mapped as before
+    assert mapped.model.mapped and _maps_file(tied_last)
+    assert np.array_equal(logits_of(read), logits_of(mapped))
