@@ -169,7 +169,7 @@ def reads_every_weight(header: Header, path: Path) -> bool:
     even the embedding is read row by row. Mapped, a file whose tensors are not grouped by type
     (a model as downloaded; shards are grouped, neuron_tai/shard.py) keeps more: reading each
     small tensor in place maps its page-cache folio's neighbours, the originals of repacked
-    matrices among them (the whole 1B shape: 1125.9 MiB mapped, 1047.0 read;
+    matrices among them (the whole 1B shape: 1126.0 MiB mapped, 1047.3 read;
     evidence/tied-head-load/)."""
     return facts_from_header(header, path).last and all(t.name != "output.weight" for t in header.tensors)
 
@@ -229,7 +229,8 @@ class LlamaModel(OwnedModel):
             raise ValueError(f"{path}: llama.cpp could not load this model")
         self._ptr = ptr
         self._overrides = overrides  # llama.cpp may read the override table for the model's lifetime
-        release_mapped_file(path)  # loading read the whole file; keep resident only what decodes touch
+        if self.mapped:
+            release_mapped_file(path)  # loading read the whole file; keep resident only what decodes touch
         self.weight_buffers = logged_buffers(lines)
         self.kernel_path = path_of_buffers(self.weight_buffers)
         if self.kernel_path is KernelPath.AMX and self.placement.path is not KernelPath.AMX:

@@ -6,8 +6,8 @@ ranges of the same models; writing each anew costs a model's size on disk every 
 own, named after its stem and its resolved path: two models of one name in different
 places never share a shard. A kept shard is current while it is no older than its source,
 reads as a GGUF file, carries its capture block and has its tensors grouped by type (shards
-written before either are rewritten). Writing is atomic (`write_shard`), so a run stopped mid-write leaves no
-half shard behind.
+written before either are rewritten). Writing is atomic (`write_shard`), so a run stopped
+mid-write leaves no half shard behind.
 """
 
 from __future__ import annotations
