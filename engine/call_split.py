@@ -9,7 +9,8 @@ matmul takes over at 8 rows, where it is unprofitable on that CPU for the Q6_K o
 more at every size, and then nothing is split.
 
 The policy: keep, for each size of decode-only iteration, the cost of each choice measured as
-that choice: the whole call's milliseconds, and a halved iteration's two calls together. Not
+that choice: the whole call's compute, and a halved iteration from its first call's start to its
+second's end, with the hand-over between them (a second call costs the node that too). Not
 the halves' sizes measured elsewhere: a 4-row call measured while four sessions decoded, a run
 before, is no price for the halves of 8 rows now (the host's speed drifts, contexts grow; on an
 AMD EPYC (Zen 4) 4-row calls measured 85-90 ms at the end of such a run kept 8 rows (169 ms)
@@ -71,7 +72,8 @@ class DecodeCallCosts:
         self.whole.observe(rows, ms)
 
     def observe_halved(self, rows: int, ms: float) -> None:
-        """Record one decode-only iteration of `rows` rows run as two calls (`ms`: both calls)."""
+        """Record one decode-only iteration of `rows` rows run as two calls (`ms`: from the first
+        call's start to the second's end)."""
         self.halved.observe(rows, ms)
 
     def halves(self, rows: int) -> bool:

@@ -67,17 +67,19 @@ class Executor:
         self.call_costs = DecodeCallCosts()
         self.fillers = MeasuredFillers()  # what Scheduler.plan asks of a call of only decodes
         self.halves = self.call_costs.halves if halve_decodes else None  # what Scheduler.plan asks
-        self._halved_so_far = (0, 0.0, 0)  # decode rows, ms and calls of the halved iteration under way
+        self._halved_so_far = (0, 0)  # decode rows and calls computed of the halved iteration under way
+        self._call_ended = 0.0  # perf_counter when the last call's compute returned
 
     async def run_calls(self, plan: Plan, between: Callable[[], Awaitable[None]]) -> None:
         """Each of the plan's calls in turn, awaiting `between` them (the engine's hand-over)."""
         if plan.halved:
             self.telemetry.halved_total += 1
+        first_started = time.perf_counter()
         for i, call in enumerate(plan.calls):
             if i:
                 await between()
             await self.run(Plan(plan.iteration, (call,), plan.halved))
-        self._end_iteration(len(plan.calls))
+        self._end_iteration(len(plan.calls), (self._call_ended - first_started) * 1000)
 
     async def run(self, plan: Plan) -> None:
         """Run the plan's one call and answer the steps it completes."""
@@ -97,7 +99,8 @@ class Executor:
             log.error("batch failed: %s", exc)
             self._fail(plan, str(exc))
             return
-        seconds = time.perf_counter() - started
+        self._call_ended = time.perf_counter()
+        seconds = self._call_ended - started
         self._observe(plan, call, seconds)
         last: dict[Any, SegmentResult] = {}
         for chunk, result in zip(call.chunks, results, strict=False):
@@ -128,20 +131,23 @@ class Executor:
             if self.halves is not None and not plan.halved:
                 self.call_costs.observe(decode_rows, seconds * 1000)
         if plan.halved:  # the sessions of both calls wait for both: one gap, seen once
-            rows, ms, calls = self._halved_so_far
-            self._halved_so_far = (rows + decode_rows, ms + seconds * 1000, calls + 1)
+            rows, calls = self._halved_so_far
+            self._halved_so_far = (rows + decode_rows, calls + 1)
         else:
             self.pace.observe(decode_rows, prefill_rows, seconds * 1000)
 
-    def _end_iteration(self, planned: int) -> None:
-        """After an iteration's `planned` calls: a halved one is one decode-only gap to the pace,
-        and, when every call of it computed, one measurement of halving its rows."""
-        rows, ms, calls = self._halved_so_far
+    def _end_iteration(self, planned: int, ms: float) -> None:
+        """After an iteration's `planned` calls, `ms` from the first call's start to the last one's
+        end: a halved one is one decode-only gap to the pace and, when every call of it computed,
+        one measurement of halving its rows. The span holds the hand-over between the calls and the
+        first call's answers: what a second call costs the node, not llama.cpp alone (a whole call
+        is measured by its compute, with none of either)."""
+        rows, calls = self._halved_so_far
         if rows:
             self.pace.observe(rows, 0, ms)
         if rows and calls == planned:  # only a plan asked `halves` is halved
             self.call_costs.observe_halved(rows, ms)
-        self._halved_so_far = (0, 0.0, 0)
+        self._halved_so_far = (0, 0)
 
     def _answer(self, step: Step[Work], last: SegmentResult) -> None:
         """A completed step's result, with its session's state after it, to its requester."""

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import itertools
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import FrozenInstanceError, replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
 import trio
 
+from engine import executor as executor_module
 from engine.backend import ContextConfig, DecodeFailed, DecodeOutcome, Segment, SegmentResult, StageBackend
 from engine.budgets import BudgetError, Limits
 from engine.call_split import DecodeCallCosts
@@ -94,6 +98,26 @@ async def test_concurrent_sessions_match_their_solo_runs(tiny_model: Path) -> No
         assert max(len(c) for c in rows) >= 6, "sessions were really batched together"
         assert engine.stats()["sessions_active"] == 0
     assert together == solo
+
+
+async def test_a_halved_iteration_is_priced_from_its_first_call_to_its_last(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its price holds the hand-over between the two calls, not only their compute: on a clock
+    that ticks one second a reading, each call computes for one second, and the iteration
+    costs more than the two seconds of its calls."""
+    ticks = itertools.count()
+    monkeypatch.setattr(
+        executor_module, "time", SimpleNamespace(perf_counter=lambda: float(next(ticks)), monotonic=time.monotonic)
+    )
+    monkeypatch.setattr(DecodeCallCosts, "halves", lambda self, rows: True)
+    async with open_engine(config(tiny_model)) as engine:
+        async with trio.open_nursery() as nursery:
+            for i in range(3):
+                nursery.start_soon(generate, engine, f"s{i}", prompt(i, 4), 6)
+        costs = engine.executor.call_costs
+    assert costs.halved.samples, "decode-only iterations of 2 and 3 rows ran halved"
+    assert all(ms > 2000 for samples in costs.halved.samples.values() for ms in samples)
 
 
 @pytest.mark.parametrize("split_decodes", [True, False])
