@@ -27,9 +27,15 @@ the whole call. After that a size's decisions now and then take the other choice
 a cost that drifted (longer contexts, another process on the cores) is seen again: first
 after `RECHECK_EVERY` decisions, then after twice as many each time a recheck leaves the
 choice as it was (up to `MAX_RECHECK_EVERY`), and after `RECHECK_EVERY` again once it
-changes. A recheck runs the dearer shape: where a call's cost is mostly a fixed part
-(reading the weights), two halves cost nearly two calls, so a recheck every 32 decisions
-adds about 1/32 to that size's decode time, and one every 512 about 1/512.
+changes. A recheck drops the other choice's measurements and runs it `PROBES` times, as
+probing does, before the two are compared again: its old costs may come from a bad moment,
+and one fresh call among them is outvoted. (A gemma-3-270m node at two sessions took two
+whole 2-row calls of 39 and 45 ms, against 24-31 before, right after a recheck; the halves at
+27-30 ms then looked cheaper, and later rechecks, adding one fresh 27 ms call each, left the
+lower median at 39: it split for most of the run, evidence/split-two-rows/.) A recheck runs
+the dearer shape: where a call's cost is mostly a fixed part (reading the weights), two halves
+cost nearly two calls, so a recheck every 32 decisions adds about 2/32 to that size's decode
+time, and one every 512 about 2/512.
 """
 
 from __future__ import annotations
@@ -85,7 +91,10 @@ class DecodeCallCosts:
         if min(whole, halved) < PROBES:
             return halved < whole  # probing: the choice measured fewer times, the whole call first
         cheaper = self.halved.cost(rows) < self.MARGIN * self.whole.cost(rows)
-        return rechecked(self.rechecks, rows, cheaper)
+        taken = rechecked(self.rechecks, rows, cheaper)
+        if taken != cheaper:  # a recheck: the other choice is measured afresh, PROBES times
+            (self.halved if taken else self.whole).forget(rows)
+        return taken
 
 
 @dataclass(slots=True)

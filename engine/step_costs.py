@@ -32,6 +32,10 @@ class DecodeStepCosts:
         self.samples.setdefault(rows, deque(maxlen=self.keep)).append(ms)
         return before
 
+    def forget(self, rows: int) -> None:
+        """Drop a size's calls: its next ones are measured afresh."""
+        self.samples.pop(rows, None)
+
     def __contains__(self, rows: int) -> bool:
         return rows in self.samples
 

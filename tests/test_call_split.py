@@ -89,7 +89,7 @@ def test_where_calls_cost_a_fixed_part_plus_rows_splits_are_only_probes(
     fixed: float, per_row: float, sizes: list[int]
 ) -> None:
     """With cost = fixed + per_row x rows, two halves always cost more than one call: the rule
-    splits a size only to measure its halves, and once per RECHECK_EVERY decisions after."""
+    splits a size only to measure its halves, and PROBES times per RECHECK_EVERY decisions after."""
     rule = DecodeCallCosts()
     splits: dict[int, int] = {}
     seen: dict[int, int] = {}
@@ -102,38 +102,60 @@ def test_where_calls_cost_a_fixed_part_plus_rows_splits_are_only_probes(
             rule.observe(rows, fixed + per_row * rows)
     for rows, n in splits.items():
         assert rows >= DecodeCallCosts.MIN_ROWS
-        assert n <= PROBES + max(0, seen[rows] - 2 * PROBES) // RECHECK_EVERY
+        assert n <= PROBES + PROBES * (max(0, seen[rows] - 2 * PROBES) // RECHECK_EVERY)
 
 
 def recheck_positions(decisions: int) -> set[int]:
-    """Where rechecks fall while the choice stays: RECHECK_EVERY decisions in, then twice as
-    far apart each time, never further than MAX_RECHECK_EVERY."""
-    at, every, positions = 0, RECHECK_EVERY, set()
+    """Decisions that take the other choice while the measured one stays: a recheck of PROBES
+    decisions RECHECK_EVERY decisions in, then twice as far apart each time (never further than
+    MAX_RECHECK_EVERY), counted between rechecks."""
+    at, every = 0, RECHECK_EVERY
+    positions: set[int] = set()
     while at + every <= decisions:
         at += every
-        positions.add(at)
+        positions.update(range(at, min(at + PROBES, decisions + 1)))
+        at += PROBES - 1
         every = min(2 * every, MAX_RECHECK_EVERY)
     return positions
+
+
+def decide(rule: DecodeCallCosts, rows: int, whole: float, halved: float) -> bool:
+    """One decision for `rows`, its choice then measured at the given cost."""
+    halves = rule.halves(rows)
+    (rule.observe_halved if halves else rule.observe)(rows, halved if halves else whole)
+    return halves
 
 
 @given(whole=st.floats(10.0, 1000.0), half_share=st.floats(0.1, 2.0), decisions=st.integers(1, 3000))
 def test_once_measured_the_cheaper_shape_wins_but_for_rechecks(whole: float, half_share: float, decisions: int) -> None:
     """Every decision takes the measured cheaper shape, except the rechecks, which take the
-    other one (so a cost that drifted is seen again), further apart while nothing changes."""
+    other one PROBES times (so a cost that drifted is seen afresh), further apart while nothing changes."""
     rule = measured(8, whole, whole * half_share)
     cheaper = whole * half_share < DecodeCallCosts.MARGIN * whole
     rechecks = recheck_positions(decisions)
     for n in range(1, decisions + 1):
-        assert rule.halves(8) == (cheaper != (n in rechecks))
+        assert decide(rule, 8, whole, whole * half_share) == (cheaper != (n in rechecks))
+
+
+def test_a_recheck_measures_the_other_choice_afresh() -> None:
+    """Two stretched whole calls right after a recheck made the halves look cheaper (a gemma
+    node at two sessions, evidence/split-two-rows/): the next recheck drops them and measures
+    the whole call PROBES times anew, and the whole call is taken again."""
+    rule = measured(2, 26.0, 29.0)
+    for cost in (39.0, 45.0):
+        rule.observe(2, cost)  # [26, 39, 45]: the whole call costs 39 now
+    choices = [decide(rule, 2, 27.0, 29.0) for _ in range(RECHECK_EVERY + PROBES + 3)]
+    assert choices[: RECHECK_EVERY - 1] == [True] * (RECHECK_EVERY - 1)  # 29 < 0.95 x 39
+    assert choices[RECHECK_EVERY - 1 :] == [False] * (PROBES + 4)  # 27, 27: 29 > 0.95 x 27
 
 
 def test_rechecks_come_soon_again_once_the_choice_changes() -> None:
     """Rechecks far apart after a long steady run; when the costs move enough to change the
     choice, the next recheck is RECHECK_EVERY decisions away again."""
     rule = measured(8, 200.0, 300.0)  # halves 300 ms against 200: run whole
-    steady = sum(1 for _ in range(1000) if rule.halves(8))
-    assert steady == len(recheck_positions(1000)) == 5  # at 32, 96, 224, 480 and 992
+    steady = sum(1 for _ in range(1000) if decide(rule, 8, 200.0, 300.0))
+    assert steady == len(recheck_positions(1000)) == 5 * PROBES  # at 32, 97, 226, 483 and 996
     for _ in range(20):
         rule.observe_halved(8, 120.0)  # the halves got cheap: 120 ms against 200
-    choices = [rule.halves(8) for _ in range(RECHECK_EVERY)]
-    assert choices == [True] * (RECHECK_EVERY - 1) + [False]
+    choices = [decide(rule, 8, 200.0, 120.0) for _ in range(RECHECK_EVERY + PROBES)]
+    assert choices == [True] * (RECHECK_EVERY - 1) + [False] * PROBES + [True]
