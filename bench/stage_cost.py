@@ -80,7 +80,8 @@ def step_ms(path: Path, steps: int) -> dict[int, float]:
 def stage_memory(path: Path) -> dict[str, float]:
     """MiB a stage holds after a full prefill batch and 8-row decode steps (run in a fresh process)."""
     base = resident_memory()  # the interpreter and the libraries, before the model
-    context = dataclasses.replace(CONTEXT, n_ubatch=default_n_ubatch(read_facts(path)))  # as `serve` runs it
+    facts = read_facts(path)
+    context = dataclasses.replace(CONTEXT, n_ubatch=default_n_ubatch(facts))  # as `serve` runs it
     backend = StageBackend(path, context)
     try:
         info, n = backend.info, CONTEXT.n_batch
@@ -97,7 +98,7 @@ def stage_memory(path: Path) -> dict[str, float]:
         for step in range(4):
             backend.decode([segment(s, n + step if s == seqs[0] else step, 1) for s in seqs])
         held = resident_memory()
-        weights = read_facts(path).weights_bytes
+        weights = facts.weights_bytes
         kv = sum(logged_buffers(backend.context_log, "KV").values())
         parts = {
             "weights": weights,
