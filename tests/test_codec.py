@@ -243,7 +243,7 @@ def test_malformed_replies_are_downstream(header: dict[str, Any], payload: list[
 # -- the rid of a header refused unread ------------------------------------------------------
 
 
-def packed_map(items: list[tuple[str, Any]]) -> tuple[bytes, list[int]]:
+def packed_map(items: list[tuple[Any, Any]]) -> tuple[bytes, list[int]]:
     """A msgpack map of `items` in this order, and where each item's value ends."""
     out, ends = bytearray(msgpack.Packer().pack_map_header(len(items))), []
     for key, value in items:
@@ -264,13 +264,14 @@ values = st.recursive(
     lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=4), inner, max_size=4)),
     max_leaves=20,
 )
-other_keys = st.text(max_size=6).filter(lambda k: k != "rid")
+# Keys of any kind: a header whose keys are not all strings is refused unread, and scanned.
+other_keys = st.one_of(st.text(max_size=6), values).filter(lambda k: k != "rid")
 
 
 @settings(max_examples=400, deadline=None)
 @given(st.lists(st.tuples(other_keys, values), max_size=6), rids, st.integers(0, 6), st.data())
 def test_the_scan_finds_a_top_level_rid_and_reads_nothing_past_the_frame(
-    others: list[tuple[str, Any]], rid: int, at: int, data: st.DataObject
+    others: list[tuple[Any, Any]], rid: int, at: int, data: st.DataObject
 ) -> None:
     items = [*others[:at], ("rid", rid), *others[at:]]
     frame, ends = packed_map(items)
@@ -295,6 +296,12 @@ def test_the_scan_ignores_what_is_not_a_top_level_rid() -> None:
     assert scan_rid(msgpack.packb({"rid": 2**63})) is None
     assert scan_rid(msgpack.packb({"rid": "5"})) is None
     assert scan_rid(msgpack.packb({"rid": 1, "x": 0, "rid ": 2})) == 1
+
+
+def test_the_scan_steps_over_keys_that_are_not_strings() -> None:
+    assert scan_rid(packed_map([(1, "x"), ("rid", 5)])[0]) == 5
+    assert scan_rid(packed_map([({"rid": 6}, 0), (["a"], [1]), ("rid", 7)])[0]) == 7
+    assert scan_rid(packed_map([(b"rid", 8)])[0]) is None  # bytes, not the string key
 
 
 def test_the_scan_steps_over_large_values_by_their_length_and_is_bounded_in_items() -> None:

@@ -1,10 +1,11 @@
 """Find a request's `rid` in a header that is refused unread (PROTOCOL.md, Framing).
 
 A header too large or too complex to parse is still answered with its `rid`, so the
-requester is not left waiting for its timeout. The scan reads the top-level map's keys
-and steps over every value by its msgpack length prefix, never building one: a megabyte
-string costs one step. Nested arrays and maps are stepped over item by item, at most
-`max_items` items in all, so the work is bounded whatever the bytes. It never raises and
+requester is not left waiting for its timeout. The scan reads the top-level map's string
+keys and steps over every value (and every key of another kind, which no parser takes) by
+its msgpack length prefix, never building one: a megabyte string costs one step. Nested
+arrays and maps are stepped over item by item, at most `max_items` items in all, so the
+work is bounded whatever the bytes. It never raises and
 never reads past the frame; a frame that is not a map, or breaks off, yields what was found
 before the break (or None).
 """
@@ -119,10 +120,16 @@ def scan_rid(frame: bytes, max_items: int = MAX_SCAN_ITEMS) -> int | None:
     at, budget = top.end, max_items
     for _ in range(top.number // 2):
         key = read_item(frame, at)
-        if key is None or key.kind != STR:
+        if key is None:
             return rid
-        at = key.end
-        if frame[key.start : key.end] == b"rid":
+        if key.kind == STR:
+            at = key.end
+        else:  # a key no parser takes: stepped over like a value, and the scan goes on
+            skipped = skip_value(frame, at, budget)
+            if skipped is None:
+                return rid
+            at, budget = skipped
+        if key.kind == STR and frame[key.start : key.end] == b"rid":
             value = read_item(frame, at)
             rid = value.number if value is not None and value.kind == INT and 0 <= value.number < MAX_RID else None
         skipped = skip_value(frame, at, budget)
