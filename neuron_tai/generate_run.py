@@ -81,17 +81,17 @@ class Generations:
         else:
             fault = self.steps.too_large(req.n)
         if fault is not None:
-            self.outbox.error(peer, req.rid, fault)
+            self.outbox.error(peer, req.rid, fault, req.session)
             return
         if key in self.gate and self.engine.max_tokens_of(peer, req.session) is not None:
-            self.outbox.busy(peer, req.rid, "the session already has a step in flight")
+            self.outbox.busy(peer, req.rid, "the session already has a step in flight", req.session)
             return
         run, hold = Generation(), Held(self.steps.held_bytes(req.n, req.tokens.nbytes))
 
         async def work() -> None:
             await self._run(peer, req, run, hold)
 
-        if self.pool.spawn(peer, req.rid, work, held=hold, on_exit=lambda: self._ended(key, run)):
+        if self.pool.spawn(peer, req.rid, work, held=hold, on_exit=lambda: self._ended(key, run), session=req.session):
             self.gate.enter(key)
             self.runs[key] = run
 
@@ -150,13 +150,23 @@ class Generations:
             reason = self._advance(progress, outcome, rule, drafts, drafter)
             if not self._stream(peer, req, progress, flush=reason is not None):
                 return  # the peer is gone: its session is being freed
+        if not self._stream(peer, req, progress, flush=True):  # what a backlog held back before a cancel
+            return
         await self._trim(peer, req.session, progress)
-        self._done(peer, req, run, progress, reason, speculate)
+        self._done(peer, req, run, progress, reason, passes=progress.passes if self._requested(req) else None)
+
+    def _requested(self, req: wire.Generate) -> int:
+        """The drafts per pass asked for: the request's, or the node's default (`done` then counts passes)."""
+        return self.speculate if req.speculate is None else req.speculate
 
     def _speculate(self, req: wire.Generate) -> int:
-        """Draft tokens per pass for this run: the request's or the node's, within what a step carries."""
-        wanted = self.speculate if req.speculate is None else req.speculate
-        return max(0, min(wanted, MAX_SPECULATE, self.steps.stage.max_step_tokens - 1))
+        """Draft tokens per pass for this run: those asked for, within what one step carries on
+        every stage this node has reached below it (a stage below refuses a longer step)."""
+        max_step = self.steps.stage.max_step_tokens
+        forwarder = self.steps.forwarder
+        if forwarder is not None and forwarder.chain_max_step_tokens is not None:
+            max_step = min(max_step, forwarder.chain_max_step_tokens)
+        return max(0, min(self._requested(req), MAX_SPECULATE, max_step - 1))
 
     def _drafts(self, drafter: Drafter | None, progress: _Progress, rule: EndRule) -> list[int]:
         """Drafts for the next pass: none on the prompt's pass, none past `max_new` or `max_tokens`,
@@ -208,16 +218,17 @@ class Generations:
     async def _failed(
         self, peer: bytes, req: wire.Generate, run: Generation, progress: _Progress, fault: Fault
     ) -> None:
-        """The session keeps every token streamed before the error; `length` says where it stands."""
+        """The session keeps every token streamed before the error (a run that does not stream
+        delivered none: it keeps the prompt); `length` says where it stands."""
         if not self._stream(peer, req, progress, flush=True):
             return
         # Where the session stands now: after a failed recovery that is where its replay stopped;
         # never past the last token kept (a pass's rejected drafts may still be in the KV).
+        kept = progress.pos if req.stream else req.pos + req.n
         run.length = self.engine.length_of(peer, req.session) or 0
-        if progress.produced and run.length > progress.pos:
-            progress.kv_length = run.length
-            await self._trim(peer, req.session, progress)
-            run.length = progress.pos
+        if progress.produced and run.length > kept:
+            await self.engine.cleanup(Rollback(peer, req.session, kept))
+            run.length = kept
         self.outbox.send(peer, wire.encode_reply(wire.ErrorReply.of(fault, req.rid, req.session, run.length)))
 
     def _done(
@@ -227,12 +238,11 @@ class Generations:
         run: Generation,
         progress: _Progress,
         reason: EndReason | None,
-        speculate: int,
+        passes: int | None,
     ) -> None:
         produced = progress.produced
         run.length = progress.pos if produced else (self.engine.length_of(peer, req.session) or 0)
         tokens = None if req.stream else np.array(produced, np.int32)
-        passes = progress.passes if speculate else None
         done = wire.Done(req.rid, req.session, str(reason), len(produced), run.length, tokens, passes)
         self.outbox.deliver(peer, req.session, wire.encode_reply(done))
 

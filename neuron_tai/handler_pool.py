@@ -39,12 +39,13 @@ class Held:
 
 
 Work = Callable[[], Awaitable[None]]
+Refuse = Callable[[bytes, int, Fault, str | None], None]  # peer, rid, why, the request's session
 
 
 class HandlerPool:
     """Owns the counts of requests in progress; `spawn` is the only way a request becomes a task."""
 
-    def __init__(self, limits: PoolLimits, on_refused: Callable[[bytes, int, Fault], None]) -> None:
+    def __init__(self, limits: PoolLimits, on_refused: Refuse) -> None:
         self.limits = limits
         self.on_refused = on_refused  # answers the request refused for room
         self.on_ended: Callable[[bytes], None] = lambda _peer: None  # a peer's request ended (lease)
@@ -67,20 +68,28 @@ class HandlerPool:
             await trio.sleep_forever()
 
     def spawn(
-        self, peer: bytes, rid: int, work: Work, *, held: Held | None = None, on_exit: Callable[[], None] | None = None
+        self,
+        peer: bytes,
+        rid: int,
+        work: Work,
+        *,
+        held: Held | None = None,
+        on_exit: Callable[[], None] | None = None,
+        session: str | None = None,
     ) -> bool:
-        """Run `work()` as a task that holds `held` bytes, or refuse it `busy` (False)."""
+        """Run `work()` as a task that holds `held` bytes, or refuse it `busy` (False). `session`
+        goes into the refusals of a request whose replies all carry it (`generate`)."""
         held = held or Held()
         why = self._no_room_for(peer, held.size)
         if why is not None:
-            self.on_refused(peer, rid, Fault(ErrorCode.BUSY, why))
+            self.on_refused(peer, rid, Fault(ErrorCode.BUSY, why), session)
             return False
         assert self._nursery is not None
         self.active += 1
         self.by_peer[peer] += 1
         self._take(peer, held.size)
         self.idle = trio.Event() if self.active == 1 else self.idle
-        self._nursery.start_soon(self._run, peer, rid, work, held, on_exit)
+        self._nursery.start_soon(self._run, peer, rid, session, work, held, on_exit)
         return True
 
     def release(self, peer: bytes, held: Held, size: int) -> None:
@@ -116,12 +125,14 @@ class HandlerPool:
             self.bytes_peak = max(self.bytes_peak, self.bytes)
             self.bytes_by_peer[peer] += size
 
-    async def _run(self, peer: bytes, rid: int, work: Work, held: Held, on_exit: Callable[[], None] | None) -> None:
+    async def _run(
+        self, peer: bytes, rid: int, session: str | None, work: Work, held: Held, on_exit: Callable[[], None] | None
+    ) -> None:
         try:
             await work()
         except Exception as exc:  # a bug must cost one request, never the node
             log.exception("request %d failed", rid)
-            self.on_refused(peer, rid, Fault(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
+            self.on_refused(peer, rid, Fault(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"), session)
         finally:
             if on_exit is not None:
                 on_exit()

@@ -36,19 +36,19 @@ class Outbox:
         self.engine.cleanup_nowait(CloseRequest(peer, session))
         return False
 
-    def error(self, peer: bytes, rid: int | None, fault: Fault) -> None:
+    def error(self, peer: bytes, rid: int | None, fault: Fault, session: str | None = None) -> None:
         """An error this node decided: counted, then answered (`busy` with the engine's estimate
-        of when to try again)."""
+        of when to try again). `session` for the replies of a `generate`, which all carry it."""
         self.engine.count_error(fault.code)
         if fault.code is ErrorCode.BUSY and fault.retry_after_ms is None:
             fault = Fault(fault.code, fault.message, self.engine.busy_retry_ms())
-        self.relay(peer, rid, fault)
+        self.relay(peer, rid, fault, session)
 
-    def relay(self, peer: bytes, rid: int | None, fault: Fault) -> None:
+    def relay(self, peer: bytes, rid: int | None, fault: Fault, session: str | None = None) -> None:
         """An error decided (and counted) elsewhere: the engine's, or the next stage's."""
         if fault.code is not ErrorCode.BUSY:
             log.debug("error %s to %s: %s", fault.code, peer.hex(), fault.message)
-        self.send(peer, wire.encode_reply(wire.ErrorReply.of(fault, rid)))
+        self.send(peer, wire.encode_reply(wire.ErrorReply.of(fault, rid, session)))
 
-    def busy(self, peer: bytes, rid: int, message: str) -> None:
-        self.error(peer, rid, Fault(ErrorCode.BUSY, message))
+    def busy(self, peer: bytes, rid: int, message: str, session: str | None = None) -> None:
+        self.error(peer, rid, Fault(ErrorCode.BUSY, message), session)

@@ -14,6 +14,7 @@ import pytest
 import trio
 import zmq
 
+from engine.backend import DecodeFailed, DecodeOutcome
 from neuron_tai.client import Client, Done, Generated, NodeError, open_client
 from neuron_tai.config import NodeConfig
 from neuron_tai.node import Node, open_node
@@ -330,6 +331,28 @@ async def test_tokens_are_held_back_while_the_reader_is_behind(tiny_model: Path)
         assert [t for m in messages for t in m.tokens] == expected.tokens
 
 
+async def test_tokens_held_back_go_out_before_the_done_of_a_cancel(tiny_model: Path) -> None:
+    """The reader stays behind, so every token is held back; a cancel comes in while three wait
+    (a stand-in: the pump's fourth report sets it). All three are sent before `done`."""
+    async with node_and_client(tiny_model) as (node, c):
+        await c.open("s", 40)
+        expected = await generate(c, "s", 0, IDS, 12, ignore_eog=True)
+        held = 0
+
+        def behind(_peer: bytes) -> int:
+            nonlocal held
+            held += 1
+            if held == 3:
+                for run in node.generations.runs.values():
+                    run.cancel.set()
+            return 1
+
+        node.pump.backlog = behind  # type: ignore[method-assign,assignment]
+        got = await generate(c, "s", 0, IDS, 12, ignore_eog=True)
+        assert (got.reason, got.generated, got.tokens) == ("cancelled", 3, expected.tokens[:3])
+        assert got.length == len(IDS) + 2
+
+
 # -- batching ----------------------------------------------------------------------------------
 
 
@@ -436,6 +459,62 @@ async def test_generate_errors(tiny_model: Path, tiny_shards2: list[Path]) -> No
         assert (await generate(c, "s", 0, IDS, 2, ignore_eog=True)).generated == 2  # nothing was harmed
     # A stage that cannot sample and has no next stage, and a stage that takes hidden input.
     for shard in tiny_shards2:
-        async with node_and_client(shard) as (_node, c):
+        async with node_and_client(shard) as (node, c):
             await c.open("s", 20)
             await expect("wrong_stage", c, "s", 0, IDS)
+            peer = RawPeer(node.address)
+            try:  # every reply of a generate carries its session, a refusal's too
+                peer.send({"op": "generate", "rid": 6, "session": "t", "pos": 0, "n": 8, "max_new": 2}, int32(IDS))
+                reply = (await peer.recv())[0]
+                assert (reply["code"], reply["rid"], reply["session"]) == ("wrong_stage", 6, "t")
+            finally:
+                peer.close()
+
+
+def failing_at(node: Node, pos: int) -> None:
+    """The node's next llama_decode that writes position `pos` fails, once."""
+    original = node.engine.backend.decode
+
+    def decode(segments: Any) -> Any:
+        if any(seg.pos <= pos < seg.pos + seg.n for seg in segments):
+            node.engine.backend.decode = original  # type: ignore[method-assign]
+            raise DecodeFailed(DecodeOutcome.FATAL, -3)
+        return original(segments)
+
+    node.engine.backend.decode = decode  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_run_that_fails_keeps_what_it_delivered_and_says_where_it_stands(
+    tiny_model: Path, stream: bool
+) -> None:
+    """Tokens 1-3 are made; feeding token 3 fails. Streamed, the session keeps tokens 1 and 2 in
+    its KV and `length` is token 3's position; not streamed, nothing was delivered: it keeps the
+    payload, and `length` is where the payload ends."""
+    async with node_and_client(tiny_model) as (node, c):
+        await c.open("s", 40)
+        expected = await generate(c, "s", 0, IDS, 6, ignore_eog=True)
+        failing_at(node, len(IDS) + 2)
+        peer = RawPeer(node.address)
+        try:
+            peer.send({"op": "open", "rid": 1, "session": "s", "max_tokens": 40})
+            assert (await peer.recv())[0]["op"] == "opened"
+            run = {"op": "generate", "rid": 2, "session": "s", "pos": 0, "n": 8, "max_new": 6, "ignore_eog": True}
+            peer.send({**run, "stream": stream}, int32(IDS))
+            streamed: list[int] = []
+            while (reply := await peer.recv())[0]["op"] == "generated":
+                streamed += np.frombuffer(reply[1][0], "<i4").tolist()
+            error = reply[0]
+            assert (error["op"], error["code"], error["rid"], error["session"]) == ("error", "internal", 2, "s")
+            assert streamed == (expected.tokens[:3] if stream else [])
+            length = len(IDS) + 2 if stream else len(IDS)
+            assert error["length"] == length
+            step = {"op": "step", "rid": 3, "session": "s", "n": 1, "input": "tokens", "out": "token"}
+            feed, at, following = (expected.tokens[2], length, 3) if stream else (IDS[-1], length - 1, 0)
+            peer.send({**step, "pos": length + 1}, int32([feed]))
+            assert (await peer.recv())[0]["code"] == "position"  # nothing past `length` is kept
+            peer.send({**step, "pos": at}, int32([feed]))
+            result, frames = await peer.recv()
+            assert result["op"] == "result" and np.frombuffer(frames[0], "<i4").tolist() == [expected.tokens[following]]
+        finally:
+            peer.close()

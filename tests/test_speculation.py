@@ -165,6 +165,24 @@ async def test_greedy_speculation_is_token_identical_to_plain_generation(
     assert passes < 40 * len(REPEATS), passes
 
 
+async def test_drafts_fit_the_stage_below_that_takes_the_fewest_tokens(tiny_quant_shards2: list[Path]) -> None:
+    """A tail that takes 20 tokens a step under a head that takes 128: `speculate` 32 is lowered
+    to 19 drafts a pass, so no verification is refused below and the runs end as plain ones do."""
+    async with serving(tiny_quant_shards2) as plain:
+        expected = [(await run_all(plain, [p], 40))[0] for p in REPEATS]
+    async with AsyncExitStack() as stack:
+        tail_engine = engine_config(tiny_quant_shards2[1], **INVARIANT, max_step_tokens=20)
+        tail = await stack.enter_async_context(open_node(NodeConfig(tail_engine, bind="tcp://127.0.0.1:0")))
+        head_engine = engine_config(tiny_quant_shards2[0], **INVARIANT)
+        head_cfg = NodeConfig(head_engine, bind="tcp://127.0.0.1:0", next=tail.address, speculate=32)
+        head = await stack.enter_async_context(open_node(head_cfg))
+        client = await stack.enter_async_context(open_client(head.address, timeout_s=20))
+        got = [(await run_all(client, [p], 40))[0] for p in REPEATS]
+    assert [d.tokens for d in got] == [d.tokens for d in expected]
+    assert all(d.passes is not None for d in got)
+    assert sum(d.passes or 0 for d in got) < 40 * len(REPEATS)  # drafts were taken: passes were saved
+
+
 @pytest.mark.parametrize("split", [False, True], ids=["one node", "2-stage chain"])
 async def test_speculation_on_a_sliding_window_model_drafts_past_the_window_and_stays_exact(
     split: bool, tiny_gemma: Path, model_dir: Path
