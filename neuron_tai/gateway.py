@@ -37,8 +37,16 @@ from starlette.types import Send
 from neuron_tai.access_log import ACCESS_LOG, Access, AccessLog, access_of
 from neuron_tai.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 from neuron_tai.client import Client, ClientClosed, Done, NodeError, open_client
-from neuron_tai.gateway_errors import error_response, never_fits, node_error, prompt_over_step, unreachable
+from neuron_tai.gateway_errors import (
+    error_response,
+    http_error,
+    never_fits,
+    node_error,
+    prompt_over_step,
+    unreachable,
+)
 from neuron_tai.gateway_text import GatewayText, NodeText, gateway_text
+from neuron_tai.http_request import cancel_when_gone, read_body
 from neuron_tai.metrics import SnapshotCollector
 from neuron_tai.openai_api import (
     ApiError,
@@ -122,6 +130,19 @@ class GatewayConfig:
             "kind": "names",
             "flag": "model-alias",
             "shown": "none",
+        },
+    )
+    max_body_bytes: int = field(
+        default=4 * 2**20,
+        metadata={"help": "the largest request body; a larger one gets 413", "group": "limits", "min": 1},
+    )
+    body_timeout_s: float = field(
+        default=30.0,
+        metadata={
+            "help": "seconds a request body may take to arrive; a slower one gets 408",
+            "group": "limits",
+            "flag": "body-timeout",
+            "min": 0,
         },
     )
     access_log: bool = field(
@@ -235,7 +256,8 @@ class Gateway:
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.prometheus, methods=["GET"]),
-            ]
+            ],
+            exception_handlers={404: http_error, 405: http_error},
         )
 
     # -- endpoints -------------------------------------------------------------------------
@@ -299,25 +321,27 @@ class Gateway:
         return response
 
     async def _respond(self, request: Request, chat: bool, start: float) -> Response:
-        body = parse_json(await request.body())
-        requested_model(body, self.model_names)
-        params = generation_params(body, chat=chat)
-        shape = Shape.new(chat, self.config.model_name)
-        access = access_of(request)
-        access.tokens = 0
-        release = self._admit()
+        release = self._admit()  # before the body: only requests with room are read
         opened: NodeSession | None = None
         streaming = False
         try:
+            body = parse_json(await read_body(request, self.config.max_body_bytes, self.config.body_timeout_s))
+            requested_model(body, self.model_names)
+            params = generation_params(body, chat=chat)
+            shape = Shape.new(chat, self.config.model_name)
+            access = access_of(request)
+            access.tokens = 0
             prompt = await self._prompt(body, chat)
             opened = await self._open(prompt, params)
             pieces = self._generate(opened, prompt, params, access)
             if not params.stream:
-                return await self._full(pieces, shape)
+                return await self._full_unless_gone(request, pieces, shape)
 
             async def on_close() -> None:
-                await self._end_session(opened)
-                release()
+                try:
+                    await self._end_session(opened)
+                finally:
+                    release()
                 self.metrics.latency.labels(request.url.path).observe(time.perf_counter() - start)
 
             streaming = True
@@ -354,6 +378,24 @@ class Gateway:
                 self.metrics.in_flight.dec()
 
         return release
+
+    async def _full_unless_gone(
+        self, request: Request, pieces: AsyncGenerator[str | Finish, None], shape: Shape
+    ) -> Response:
+        """The whole answer; if the client leaves first, the generation stops (and nothing is sent)."""
+        outcome: Response | Exception | None = None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(cancel_when_gone, request, nursery.cancel_scope)
+            try:
+                outcome = await self._full(pieces, shape)
+            except Exception as exc:  # raised as itself below, not as a group out of the nursery
+                outcome = exc
+            nursery.cancel_scope.cancel()
+        if isinstance(outcome, Exception):
+            raise outcome
+        if outcome is None:  # cancelled: the client is gone
+            raise ApiError(499, "the client went away before the answer", code="client_closed")
+        return outcome
 
     async def _full(self, pieces: AsyncGenerator[str | Finish, None], shape: Shape) -> Response:
         text: list[str] = []
@@ -505,7 +547,8 @@ class Gateway:
                     self.count_call("cancel")
                     await self.client.cancel(session.id)
             self.count_call("close")
-            await self.client.close_on_exit(session.id)
+            with suppress(NodeError):  # the node lets the session go with its lease at the latest
+                await self.client.close_on_exit(session.id)
 
 
 def listen(config: GatewayConfig) -> tuple[hypercorn.config.Config, hypercorn.config.Sockets]:

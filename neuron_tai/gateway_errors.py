@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import math
 
-from starlette.responses import JSONResponse
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 
 from neuron_tai.client import NodeError
 from neuron_tai.openai_api import ApiError
@@ -59,3 +61,14 @@ def prompt_over_step(n_prompt: int, limit: int, prompt_param: str) -> ApiError:
 def error_response(err: ApiError) -> JSONResponse:
     headers = {"Retry-After": str(err.retry_after_s)} if err.retry_after_s is not None else None
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+
+async def http_error(_request: Request, exc: Exception) -> Response:
+    """Starlette's own refusals (an unknown path, a method a path does not take) in OpenAI's body."""
+    status = exc.status_code if isinstance(exc, HTTPException) else 500
+    detail = exc.detail if isinstance(exc, HTTPException) else "internal error"
+    code = {404: "not_found", 405: "method_not_allowed"}.get(status)
+    response = error_response(ApiError(status, detail, code=code))
+    if isinstance(exc, HTTPException) and exc.headers:  # a 405's `Allow`
+        response.headers.update(exc.headers)
+    return response

@@ -1,8 +1,10 @@
 """OpenAI's completion and chat request bodies, checked, and its response shapes.
 
 Only what the gateway honours is accepted with a meaning; anything that would change the
-answer in a way it cannot honour (`n` other than 1, several prompts) is refused with a
-400 and OpenAI's error body rather than silently ignored.
+answer in a way it cannot honour (`n` other than 1, several prompts, tools, log
+probabilities, penalties: `UNHONOURED`) is refused with a 400 and OpenAI's error body
+rather than silently ignored. Their neutral values (`null`, `false`, 0, empty, a `text`
+response format), which clients send as defaults, are accepted.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 MAX_STOPS = 4
+MAX_INT = 2**31 - 1  # token ids and counts: what the node's int32 payloads and sessions hold
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CHAT_DEFAULT_MAX_TOKENS = 256  # chat has no limit by default at OpenAI; a node session needs one
 
@@ -68,8 +71,10 @@ class GenerationParams:
 def parse_json(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except ValueError as exc:  # not JSON, not UTF-8, or an integer of more digits than Python converts
         raise bad(f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise bad("the request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     return body
@@ -102,19 +107,21 @@ def _number(
     return float(value)
 
 
-def _int(body: dict[str, Any], key: str, default: int | None, low: int) -> int | None:
+def _int(body: dict[str, Any], key: str, default: int | None, low: int, high: int = MAX_INT) -> int | None:
     value = body.get(key)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int):
         raise bad(f"'{key}' must be an integer", key)
-    if value < low:
-        raise bad(f"'{key}' must be at least {low}, got {value}", key)
+    if not low <= value <= high:
+        raise bad(f"'{key}' must be in [{low}, {high}], got {value}", key)
     return value
 
 
 def _flag(body: dict[str, Any], key: str) -> bool:
-    value = body.get(key, False)
+    value = body.get(key)
+    if value is None:  # absent, or null as clients send unset fields
+        return False
     if not isinstance(value, bool):
         raise bad(f"'{key}' must be a boolean", key)
     return value
@@ -132,6 +139,41 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
     return tuple(s for s in stops if s)
 
 
+# Fields that change an answer in a way the gateway does not: refused unless neutral (`_neutral`).
+UNHONOURED = (
+    "tools",
+    "functions",
+    "tool_choice",
+    "function_call",
+    "logprobs",
+    "top_logprobs",
+    "echo",
+    "suffix",
+    "logit_bias",
+    "presence_penalty",
+    "frequency_penalty",
+)
+
+
+def refuse_unhonoured(body: dict[str, Any]) -> None:
+    """400 for a field that would change the answer in a way this gateway does not do."""
+    for key in UNHONOURED:
+        if not _neutral(key, body.get(key)):
+            raise bad(f"'{key}' is not supported by this server", key)
+    response_format = body.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:
+        raise bad("only the response format {'type': 'text'} is supported", "response_format")
+
+
+def _neutral(key: str, value: Any) -> bool:
+    """What clients send for a field they leave unset: null, false, 0, empty; "none" for a tool choice."""
+    if value is None or value is False or value in ([], {}, ""):
+        return True
+    if isinstance(value, int | float) and not isinstance(value, bool) and value == 0:
+        return True
+    return key in ("tool_choice", "function_call") and value == "none"
+
+
 def generation_params(body: dict[str, Any], *, chat: bool) -> GenerationParams:
     n = _int(body, "n", 1, 1)
     if n != 1:
@@ -146,7 +188,8 @@ def generation_params(body: dict[str, Any], *, chat: bool) -> GenerationParams:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise bad("'stream_options' must be an object", "stream_options")
-    seed = _int(body, "seed", None, -(2**63))
+    refuse_unhonoured(body)
+    seed = _int(body, "seed", None, -(2**63), 2**64 - 1)
     return GenerationParams(
         max_tokens=max_tokens or default,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
@@ -167,6 +210,8 @@ def completion_prompt(body: dict[str, Any]) -> str | list[int]:
     if isinstance(prompt, str):
         return prompt
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if not all(0 <= t <= MAX_INT for t in prompt):
+            raise bad(f"token ids must be in [0, {MAX_INT}]", "prompt")
         return [int(t) for t in prompt]
     if isinstance(prompt, list) and len(prompt) > 1:
         raise bad("only one prompt per request is supported", "prompt")

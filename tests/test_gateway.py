@@ -23,9 +23,14 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from neuron_tai.chat_template import FALLBACK_TEMPLATE, ChatTemplate, SpecialTokens, load_chat_template
 from neuron_tai.client import Done, Generated, open_client
+from neuron_tai.config import NodeConfig
 from neuron_tai.gateway import GatewayConfig, serve_gateway
+from neuron_tai.node import open_node
 from neuron_tai.stop_text import StopText
+from tests.held import held_decodes, wait_until
 from tests.nodes import NodeProcess, running
+from tests.test_generate import stop_asked
+from tests.test_node import engine_config
 
 PROMPT = "The lighthouse keeper climbed the stairs"
 
@@ -247,10 +252,78 @@ async def test_errors_are_openai_shaped_with_http_status(node: str) -> None:
         )  # a token outside the vocabulary
         assert reply.status_code == 400
         assert (await http.get("/models")).json()["data"][0]["id"] == "tiny"
+        for method, path, status in (("GET", "/nowhere", 404), ("GET", "/completions", 405)):
+            reply = await http.request(method, path)
+            assert reply.status_code == status and set(reply.json()["error"]) == {"message", "type", "param", "code"}
         assert (await http.get(base.removesuffix("/v1") + "/health")).json() == {"status": "ok"}
         client = openai.AsyncOpenAI(base_url=base, api_key="none", max_retries=0)
         with pytest.raises(openai.BadRequestError):
             await client.completions.create(model="tiny", prompt="x", n=2)
+
+
+async def test_fields_the_gateway_cannot_honour_are_refused_and_their_defaults_accepted(node: str) -> None:
+    async with gateway(node) as base, httpx.AsyncClient(base_url=base) as http:
+        base_body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 2}
+        refused: list[tuple[str, Any]] = [
+            ("tools", [{"type": "function", "function": {"name": "f"}}]),
+            ("logprobs", 2),
+            ("echo", True),
+            ("logit_bias", {"5": 100}),
+            ("presence_penalty", 0.5),
+            ("response_format", {"type": "json_object"}),
+        ]
+        for key, value in refused:
+            reply = await http.post("/completions", json={**base_body, key: value})
+            assert reply.status_code == 400 and reply.json()["error"]["param"] == key, (key, reply.text)
+        neutral: dict[str, Any] = {"tools": [], "logprobs": None, "echo": False, "frequency_penalty": 0.0}
+        neutral |= {"stream": None, "response_format": {"type": "text"}}
+        reply = await http.post("/completions", json={**base_body, **neutral})
+        assert reply.status_code == 200, reply.text
+        too_big: list[tuple[str, Any]] = [("prompt", [1, 2**40]), ("max_tokens", 2**64), ("seed", 2**70)]
+        for key, value in too_big:
+            reply = await http.post("/completions", json={**base_body, key: value})
+            assert reply.status_code == 400 and reply.json()["error"]["param"] == key, (key, reply.text)
+
+
+async def test_bodies_too_big_too_slow_or_too_deep_are_refused_and_the_gateway_goes_on(node: str) -> None:
+    async with (
+        gateway(node, max_body_bytes=8192, body_timeout_s=0.5) as base,
+        httpx.AsyncClient(base_url=base, timeout=30) as http,
+    ):
+        body = json.dumps({"model": "tiny", "prompt": "x" * 9000, "max_tokens": 2}).encode()
+        declared = await http.post("/completions", content=body)
+        assert declared.status_code == 413 and declared.json()["error"]["code"] == "body_too_large"
+
+        async def chunks(data: bytes, pause_s: float = 0.0) -> AsyncIterator[bytes]:
+            for i in range(0, len(data), 1024):
+                yield data[i : i + 1024]
+                await trio.sleep(pause_s)
+
+        sent = await http.post("/completions", content=chunks(body))  # chunked: no length declared
+        assert sent.status_code == 413
+        small = json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": 2}).encode()
+        slow = await http.post("/completions", content=chunks(small, pause_s=2.0))
+        assert slow.status_code == 408 and slow.json()["error"]["code"] == "request_timeout"
+        for raw in (b"[" * 3000, b'{"model": ' + b"1" * 4400 + b"}"):
+            reply = await http.post("/completions", content=raw)
+            assert reply.status_code == 400 and reply.json()["error"]["type"] == "invalid_request_error"
+        assert (await http.post("/completions", content=small)).status_code == 200
+
+
+async def test_a_client_that_leaves_before_a_whole_answer_stops_its_generation(tiny_model: Path) -> None:
+    """The node's decodes are held while the client leaves: the gateway cancels the run at once,
+    instead of letting it run to `max_tokens` for nobody."""
+    cfg = NodeConfig(engine_config(tiny_model), bind="tcp://127.0.0.1:0")
+    async with open_node(cfg) as node, gateway(node.address) as base:
+        body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 300, "ignore_eos": True}
+        with held_decodes(node.engine) as (entered, release):
+            async with trio.open_nursery() as nursery, httpx.AsyncClient(base_url=base, timeout=30) as http:
+                nursery.start_soon(partial(http.post, "/completions", json=body))
+                await wait_until(entered.is_set)
+                nursery.cancel_scope.cancel()  # the client leaves: its connection closes
+            await wait_until(lambda: stop_asked(node))
+            release.set()
+        await wait_until(lambda: not node.generations.runs and not node.engine.scheduler.sessions)
 
 
 async def test_a_full_node_is_429_with_retry_after(tiny_model: Path) -> None:
