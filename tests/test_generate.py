@@ -333,7 +333,7 @@ async def test_tokens_are_held_back_while_the_reader_is_behind(tiny_model: Path)
 
 async def test_tokens_held_back_go_out_before_the_done_of_a_cancel(tiny_model: Path) -> None:
     """The reader stays behind, so every token is held back; a cancel comes in while three wait
-    (a stand-in: the pump's fourth report sets it). All three are sent before `done`."""
+    (a stand-in: set at the pump's third report). All three are sent before `done`."""
     async with node_and_client(tiny_model) as (node, c):
         await c.open("s", 40)
         expected = await generate(c, "s", 0, IDS, 12, ignore_eog=True)
