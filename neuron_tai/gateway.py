@@ -21,7 +21,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import hypercorn.config
 import hypercorn.trio.run
@@ -67,6 +67,7 @@ from neuron_tai.text_stream import TextStream
 from protocol.errors import ErrorCode
 
 STATS_TIMEOUT_S = 2.0
+T = TypeVar("T")
 log = logging.getLogger("neuron_tai.gateway")
 
 
@@ -337,15 +338,20 @@ class Gateway:
             if not params.stream:
                 return await self._full_unless_gone(request, pieces, shape)
 
+            # The first piece before the 200: a generate the node refuses is this response's status
+            # (429 for `busy`, with Retry-After), not an error event after a 200.
+            first = await anext(pieces)
+
             async def on_close() -> None:
                 try:
+                    await pieces.aclose()  # when the body never started
                     await self._end_session(opened)
                 finally:
                     release()
                 self.metrics.latency.labels(request.url.path).observe(time.perf_counter() - start)
 
             streaming = True
-            return EventStream(self._events(pieces, shape, params, start), on_close)
+            return EventStream(self._events(after(first, pieces), shape, params, start), on_close)
         except NodeError as exc:
             raise node_error(exc) from None
         except (TimeoutError, ClientClosed) as exc:
@@ -549,6 +555,14 @@ class Gateway:
             self.count_call("close")
             with suppress(NodeError):  # the node lets the session go with its lease at the latest
                 await self.client.close_on_exit(session.id)
+
+
+async def after(first: T, rest: AsyncGenerator[T, None]) -> AsyncGenerator[T, None]:
+    """`first`, then what `rest` yields; closing this closes `rest`."""
+    async with aclosing(rest):
+        yield first
+        async for item in rest:
+            yield item
 
 
 def listen(config: GatewayConfig) -> tuple[hypercorn.config.Config, hypercorn.config.Sockets]:

@@ -347,6 +347,23 @@ async def test_a_full_node_is_429_with_retry_after(tiny_model: Path) -> None:
                 ).status_code == 200
 
 
+async def test_a_stream_whose_generate_the_node_refuses_gets_the_refusal_as_its_status(
+    tiny_shards2: list[Path],
+) -> None:
+    """A chain's first stage alone opens sessions but cannot generate (`wrong_stage`): a streamed
+    request gets that refusal as its HTTP status, not a 200 and an error event."""
+    cfg = NodeConfig(engine_config(tiny_shards2[0]), bind="tcp://127.0.0.1:0")
+    async with (
+        open_node(cfg) as node,
+        gateway(node.address) as base,
+        httpx.AsyncClient(base_url=base, timeout=30) as http,
+    ):
+        body = {"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 2, "stream": True}
+        reply = await http.post("/completions", json=body)
+        assert reply.status_code == 502 and reply.json()["error"]["code"] == "wrong_stage", reply.text
+        assert (await node_stats(node.address))["sessions_active"] == 0
+
+
 async def test_a_node_with_nothing_listening_is_502() -> None:
     async with (
         gateway(f"tcp://127.0.0.1:{_free_port()}", timeout_s=0.5) as base,
