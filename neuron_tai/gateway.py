@@ -135,7 +135,12 @@ class GatewayConfig:
     )
     max_body_bytes: int = field(
         default=4 * 2**20,
-        metadata={"help": "the largest request body; a larger one gets 413", "group": "limits", "min": 1},
+        metadata={
+            "help": "the largest request body; a larger one gets 413",
+            "group": "limits",
+            "kind": "bytes",
+            "min": 1,
+        },
     )
     body_timeout_s: float = field(
         default=30.0,
