@@ -148,11 +148,14 @@ class Generations:
             if not progress.produced:  # from now on each step is one token and its drafts
                 self.pool.release(peer, hold, self.steps.held_bytes(1 + speculate, req.tokens.nbytes))
             reason = self._advance(progress, outcome, rule, drafts, drafter)
-            if not self._stream(peer, req, progress, flush=reason is not None):
+            if not self._stream(peer, req, progress, flush=False):
                 return  # the peer is gone: its session is being freed
-        if not self._stream(peer, req, progress, flush=True):  # what a backlog held back before a cancel
+        if not self._stream(peer, req, progress, flush=True):  # what a full pipe held back, whatever ended the run
             return
-        await self._trim(peer, req.session, progress)
+        # Drafts a last pass left past the run's end leave this stage's KV now, so its length is the
+        # `done`'s; stages below drop theirs with the session's next step.
+        if progress.produced:
+            await self._cut(peer, req.session, progress.kv_length, progress.pos)
         self._done(peer, req, run, progress, reason, passes=progress.passes if self._requested(req) else None)
 
     def _requested(self, req: wire.Generate) -> int:
@@ -198,12 +201,13 @@ class Generations:
                 break
         return reason
 
-    async def _trim(self, peer: bytes, session: str, progress: _Progress) -> None:
-        """Drop the drafts a last pass left past the run's end from this stage's KV, so the session's
-        length here is the `done`'s; stages below drop them with the session's next step."""
-        if progress.produced and progress.kv_length > progress.pos:
-            await self.engine.cleanup(Rollback(peer, session, progress.pos))
-            progress.kv_length = progress.pos
+    async def _cut(self, peer: bytes, session: str, length: int, keep: int) -> int:
+        """This stage's KV of the session cut back to `keep` positions if it holds more (`length`);
+        the length it holds after."""
+        if length <= keep:
+            return length
+        await self.engine.cleanup(Rollback(peer, session, keep))
+        return keep
 
     def _stream(self, peer: bytes, req: wire.Generate, progress: _Progress, *, flush: bool) -> bool:
         """Stream the unsent tokens as one `generated` message unless the peer's pipe is full."""
@@ -226,9 +230,8 @@ class Generations:
         # never past the last token kept (a pass's rejected drafts may still be in the KV).
         kept = progress.pos if req.stream else req.pos + req.n
         run.length = self.engine.length_of(peer, req.session) or 0
-        if progress.produced and run.length > kept:
-            await self.engine.cleanup(Rollback(peer, req.session, kept))
-            run.length = kept
+        if progress.produced:
+            run.length = await self._cut(peer, req.session, run.length, kept)
         self.outbox.send(peer, wire.encode_reply(wire.ErrorReply.of(fault, req.rid, req.session, run.length)))
 
     def _done(

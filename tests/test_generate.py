@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -311,20 +311,25 @@ async def test_a_vanished_reader_ends_the_run_and_frees_the_session(tiny_model: 
         assert stats["generated_tokens_total"] < 900
 
 
+def reporting_backlog(node: Node, backlog: Callable[[int], int]) -> None:
+    """A stand-in for the pump's report of a peer's backlog: `backlog(n)` at its n-th report."""
+    reports = 0
+
+    def report(_peer: bytes) -> int:
+        nonlocal reports
+        reports += 1
+        return backlog(reports)
+
+    node.pump.backlog = report  # type: ignore[method-assign,assignment]
+
+
 async def test_tokens_are_held_back_while_the_reader_is_behind(tiny_model: Path) -> None:
     """A stand-in for a full pipe (the pump reports a backlog for the first tokens): those are
     sent together once it clears, none lost, none repeated."""
     async with node_and_client(tiny_model) as (node, c):
         await c.open("s", 40)
         expected = await generate(c, "s", 0, IDS, 12, ignore_eog=True)
-        calls = 0
-
-        def fake_backlog(_peer: bytes) -> int:
-            nonlocal calls
-            calls += 1
-            return 1 if calls <= 5 else 0
-
-        node.pump.backlog = fake_backlog  # type: ignore[method-assign,assignment]
+        reporting_backlog(node, lambda report: 1 if report <= 5 else 0)
         pieces = [r async for r in c.generate_tokens("s", 0, IDS, 12, ignore_eog=True)]
         messages = [p for p in pieces if isinstance(p, Generated)]
         assert [len(m.tokens) for m in messages] == [6, 1, 1, 1, 1, 1, 1]
@@ -337,17 +342,14 @@ async def test_tokens_held_back_go_out_before_the_done_of_a_cancel(tiny_model: P
     async with node_and_client(tiny_model) as (node, c):
         await c.open("s", 40)
         expected = await generate(c, "s", 0, IDS, 12, ignore_eog=True)
-        held = 0
 
-        def behind(_peer: bytes) -> int:
-            nonlocal held
-            held += 1
-            if held == 3:
+        def behind(report: int) -> int:
+            if report == 3:
                 for run in node.generations.runs.values():
                     run.cancel.set()
             return 1
 
-        node.pump.backlog = behind  # type: ignore[method-assign,assignment]
+        reporting_backlog(node, behind)
         got = await generate(c, "s", 0, IDS, 12, ignore_eog=True)
         assert (got.reason, got.generated, got.tokens) == ("cancelled", 3, expected.tokens[:3])
         assert got.length == len(IDS) + 2
