@@ -253,4 +253,5 @@ def _done(work: Work, last: SegmentResult, session: Session[Work]) -> StepDone:
         last.logits,
         last.token,
         tokens,
+        session.opening,
     )

@@ -82,6 +82,7 @@ class Rollback:
     owner: Owner
     session: str
     pos: int
+    opening: int | None = None  # the session's `StepDone.opening`: one opened again since is left alone
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +122,7 @@ class StepDone:
     logits: npt.NDArray[np.float32] | None = None
     token: int | None = None
     tokens: npt.NDArray[np.int32] | None = None  # `Output.TOKENS`: one per row
+    opening: int = 0  # which opening of the session it ran in (`Rollback.opening`)
 
 
 @dataclass(frozen=True, slots=True)

@@ -164,6 +164,7 @@ class Session(Generic[StepPayload]):
     last_active_ms: float = 0.0
     group: int = 0  # its micro-batch, fixed at admission
     owner: Owner = None
+    opening: int = 0  # which admission of the node this is: a session opened again under its name has another
 
 
 @dataclass(slots=True)
@@ -375,6 +376,7 @@ class Scheduler(Generic[StepPayload, OpenPayload]):
     estimates: _Estimates = field(default_factory=_Estimates)
     quota_refused: Counter[str] = field(default_factory=Counter)  # opens a per-owner quota refused, by quota
     _arrivals: int = 0
+    _openings: int = 0
     _rr: deque[SessionKey] = field(default_factory=deque)  # prefilling sessions, next first
 
     # -- admission ---------------------------------------------------------------
@@ -469,8 +471,9 @@ class Scheduler(Generic[StepPayload, OpenPayload]):
         for other in self.sessions.values():
             sizes[other.group] += 1
         group = sizes.index(min(sizes))
+        self._openings += 1
         session: Session[StepPayload] = Session(
-            key, max_tokens, opened_ms=now_ms, last_active_ms=now_ms, group=group, owner=owner
+            key, max_tokens, opened_ms=now_ms, last_active_ms=now_ms, group=group, owner=owner, opening=self._openings
         )
         self.sessions[key] = session
         self.kv_reserved += max_tokens

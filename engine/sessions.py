@@ -159,7 +159,7 @@ class Sessions:
         """Back to `pos`; a session that cannot go back that far is closed instead."""
         key = (request.owner, request.session)
         session = self.scheduler.sessions.get(key)
-        if session is None:
+        if session is None or request.opening not in (None, session.opening):
             return
         if self.backend.can_rewind(session.seq, request.pos) and self.scheduler.rollback(key, request.pos):
             self.rewind(session.seq, request.pos)

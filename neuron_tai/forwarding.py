@@ -31,8 +31,11 @@ Key = tuple[bytes, str]
 
 
 def forwarded_session(peer: bytes, session: str) -> str:
-    """The id a session has on the next stage: distinct per upstream connection."""
-    return hashlib.blake2b(peer + b"\0" + session.encode(), digest_size=12).hexdigest()
+    """The id a session has on the next stage: distinct per upstream connection. The peer's
+    length goes first: a session id may hold any character, NUL too, so a separator alone
+    would let two (connection, session) pairs name the same bytes."""
+    key = len(peer).to_bytes(2, "big") + peer + session.encode()
+    return hashlib.blake2b(key, digest_size=12).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)

@@ -87,6 +87,8 @@ class Replicas:
                 raise
             if self._failed(index, reply) or reply is None:
                 self.book.release(index)
+                if reply is None:  # no answer in time: the open may still land there
+                    self.links[index].close_soon(session)
                 continue
             if not isinstance(reply, wire.Opened):
                 self.book.release(index)
@@ -153,7 +155,8 @@ class Replicas:
         on trust until its first real `opened` (which is checked as well)."""
         link, probe = self.links[index], f"replica-check-{os.urandom(6).hex()}"
         reply = await link.call(wire.Open(0, probe, 1))
-        if reply is None:
+        if reply is None:  # no answer in time: the probe may still open there
+            link.close_soon(probe)
             return False
         if not isinstance(reply, wire.Opened):
             return True

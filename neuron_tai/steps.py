@@ -200,17 +200,18 @@ class StepRunner:
         for part, following in zip(parts, [*parts[1:], None], strict=True):
             reply, after = await self._overlapped(peer, part, computed, following)
             if not isinstance(reply, wire.Result):
-                return await self._undone(peer, req, reply)
+                return await self._undone(peer, req, first.opening, reply)
             if isinstance(after, Fault):
-                return await self._undone(peer, req, after)
+                return await self._undone(peer, req, first.opening, after)
             if after is None:  # its shape was checked on arrival
                 return StepOutcome(replace(reply, pos=req.pos, n=req.n), computed.length, computed.max_tokens)
             computed = after
         raise AssertionError("the last part returns")
 
-    async def _undone(self, peer: bytes, req: wire.Step, why: Fault | BrokenRoute) -> Fault | BrokenRoute:
-        """The parts done here rolled back: the session as it was before the step."""
-        await self.engine.cleanup(Rollback(peer, req.session, req.pos))
+    async def _undone(self, peer: bytes, req: wire.Step, opening: int, why: Fault | BrokenRoute) -> Fault | BrokenRoute:
+        """The parts done here rolled back: the session as it was before the step (unless it was
+        closed meanwhile: one opened again under its name is not this step's to undo)."""
+        await self.engine.cleanup(Rollback(peer, req.session, req.pos, opening))
         return why
 
     async def _overlapped(

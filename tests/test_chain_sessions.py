@@ -1,0 +1,98 @@
+"""A chain's head and the sessions it keeps below: every session it lets go is closed on the next
+stage, and nothing done for one session touches another, also one opened again under its name.
+
+The next stage is answered by hand (`tests/hand_stage.py`), so a test can hold, refuse or never
+answer what the head forwards.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from neuron_tai.client import Client, NodeError, open_client
+from neuron_tai.config import NodeConfig
+from neuron_tai.forwarding import forwarded_session
+from neuron_tai.node import Node, open_node
+from tests.hand_stage import HandStage
+from tests.test_node import engine_config
+
+
+@asynccontextmanager
+async def head_over_hand(
+    shard: Path, engine: dict[str, Any] | None = None, **node: Any
+) -> AsyncIterator[tuple[Node, Client, HandStage]]:
+    below = HandStage()
+    config = NodeConfig(engine_config(shard, **(engine or {})), bind="tcp://127.0.0.1:0", next=below.address, **node)
+    try:
+        async with open_node(config) as head, open_client(head.address, timeout_s=30, retries=0) as client:
+            yield head, client, below
+    finally:
+        below.close()
+
+
+async def opened_below(client: Client, below: HandStage, session: str) -> None:
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(client.open, session, 16)
+        below.opened(await below.expect("open"))
+
+
+def test_forwarded_ids_tell_every_connection_and_session_apart() -> None:
+    """Routing ids and session ids both take any bytes: no pair may name another pair's session."""
+    assert forwarded_session(b"a", "b\0c") != forwarded_session(b"a\0b", "c")
+    assert forwarded_session(b"ab", "c") != forwarded_session(b"a", "bc")
+
+
+async def test_an_open_the_next_stage_answers_too_late_is_closed_there(tiny_shards2: list[Path]) -> None:
+    async with head_over_hand(tiny_shards2[0], downstream_timeout_s=1.0) as (_, client, below):
+        refused: list[str] = []
+
+        async def open_unanswered() -> None:
+            with pytest.raises(NodeError) as error:
+                await client.open("t", 16)
+            refused.append(error.value.code)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(open_unanswered)
+            late = await below.expect("open")  # and never answered in time
+        assert refused == ["downstream"]
+        assert (await below.expect("close"))[1]["session"] == late[1]["session"]
+
+
+async def test_a_step_undone_after_its_session_was_reopened_leaves_the_new_one_alone(
+    tiny_shards2: list[Path],
+) -> None:
+    """A step held below while its session is closed and opened again: when the next stage then
+    refuses it, undoing it here must not shorten (or close) the session opened since."""
+    async with head_over_hand(tiny_shards2[0], recovery_attempts=0) as (head, client, below):
+        await opened_below(client, below, "s")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(functools.partial(client.step, "s", 0, tokens=[1, 5, 6, 7]))
+            below.token(await below.expect("step"))
+        outcome: list[str] = []
+
+        async def held_step() -> None:
+            with pytest.raises(NodeError) as refused:
+                await client.step("s", 4, tokens=[8])
+            outcome.append(refused.value.code)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(held_step)
+            held = await below.expect("step")
+            async with trio.open_nursery() as closing:
+                closing.start_soon(client.close, "s")
+                below.closed(await below.expect("close"))
+            await opened_below(client, below, "s")
+            below.error(held, "position")
+        assert outcome == ["position"]
+        async with trio.open_nursery() as nursery:  # the session opened since is whole and goes on
+            nursery.start_soon(functools.partial(client.step, "s", 0, tokens=[1, 5, 6, 7, 9, 9]))
+            below.token(await below.expect("step"))
+        peer = next(iter(head.leases.last_heard))
+        assert head.engine.length_of(peer, "s") == 6
