@@ -55,7 +55,7 @@ from engine.process_memory import resident_memory
 from engine.replies import Reply
 from engine.scheduler import INVARIANT_MAX_ROWS, Plan, Scheduler, SchedulerConfig
 from engine.session_ends import SessionEnds
-from engine.sessions import EngineScheduler, Sessions, now_ms
+from engine.sessions import EngineScheduler, SessionActivity, Sessions, now_ms
 from engine.statistics import (
     EngineStatistics,
     MemoryStatistics,
@@ -143,6 +143,7 @@ class Engine:
         self.draining = False
         self.stopped = trio.Event()
         self._idle_scope: trio.CancelScope | None = None
+        self.activity: SessionActivity | None = None  # the node's, for the idle clock
 
     # -- the API other tasks use ----------------------------------------------------
 
@@ -391,7 +392,7 @@ class Engine:
     def _housekeeping(self) -> None:
         self.sessions.admit_waiting()
         if self.config.idle_timeout_s is not None:
-            self.sessions.close_idle(self.config.idle_timeout_s * 1000)
+            self.sessions.close_idle(self.config.idle_timeout_s * 1000, self.activity)
 
     def _idle_deadline_ms(self) -> float | None:
         if self.config.idle_timeout_s is None or not self.scheduler.sessions:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Protocol
 
 from engine.backend import StageBackend
 from engine.cleanups import PendingCleanup, tell
@@ -40,6 +41,15 @@ _ADMISSION_CODES = (ErrorCode.KV_BUDGET, ErrorCode.SESSION_LIMIT, ErrorCode.BUSY
 
 def now_ms() -> float:
     return time.monotonic() * 1000
+
+
+class SessionActivity(Protocol):
+    """What the engine's owner knows of its sessions beyond the engine: a step still on its way
+    (through the stages below, after this stage's part ended) and when each was last answered."""
+
+    def __contains__(self, key: object) -> bool: ...
+
+    def answered_ms(self, key: SessionKey) -> float | None: ...
 
 
 class Sessions:
@@ -220,8 +230,15 @@ class Sessions:
             for i in range(pending.closes):
                 self.ends.post(CloseAnswered(request.owner, request.session, existed and i == 0))
 
-    def close_idle(self, idle_ms: float) -> None:
-        for key in idle_sessions(self.scheduler.sessions, now_ms(), idle_ms):
+    def close_idle(self, idle_ms: float, activity: SessionActivity | None) -> None:
+        """Close the sessions quiet for `idle_ms`: no step here, none on its way below, none
+        answered since."""
+        now = now_ms()
+        if activity is not None:
+            for key, session in self.scheduler.sessions.items():
+                seen = now if key in activity else activity.answered_ms(key)
+                session.last_active_ms = max(session.last_active_ms, seen or 0.0)
+        for key in idle_sessions(self.scheduler.sessions, now, idle_ms):
             log.info("closing idle session %r", key[1])
             self.close(key, EndReason.IDLE, "the session was idle for too long")
 

@@ -145,6 +145,7 @@ class Node:
         self.pool = HandlerPool(limits, self.outbox.error)
         self.forwarder = Forwarder(self.next, engine) if self.next is not None else None
         self.gate = SessionGate()
+        engine.activity = self.gate  # its idle clock runs from a step's answer, not its end here
         recovery = RecoveryLimits(config.recovery_attempts, config.recovery_deadline_s)
         self.steps = StepRunner(engine, self.stage, self.forwarder, recovery, config.part_rows)
         self.generations = Generations(engine, self.steps, self.gate, self.pool, self.outbox, config.speculate)
@@ -186,6 +187,7 @@ class Node:
             peer = end.owner
             assert isinstance(peer, bytes)  # the node's sessions are owned by connections
             if isinstance(end, SessionEnded):
+                self.gate.forget((peer, end.session))
                 self.steps.session_freed(peer, end.session)
             else:
                 self.sessions.answered((peer, end.session), end.existed)

@@ -22,6 +22,7 @@ import trio
 
 from engine.engine import Engine
 from engine.messages import Output, Rollback, StepDone, StepRequest
+from engine.sessions import now_ms
 from neuron_tai.forwarding import BrokenRoute, Forwarder
 from neuron_tai.recovery import Recovery
 from neuron_tai.step_parts import step_parts
@@ -74,6 +75,7 @@ class SessionGate:
 
     def __init__(self) -> None:
         self.in_flight: Counter[Key] = Counter()
+        self._answered_ms: dict[Key, float] = {}
 
     def enter(self, key: Key) -> None:
         self.in_flight[key] += 1
@@ -82,9 +84,18 @@ class SessionGate:
         self.in_flight[key] -= 1
         if not self.in_flight[key]:
             del self.in_flight[key]
+            self._answered_ms[key] = now_ms()
 
-    def __contains__(self, key: Key) -> bool:
-        return self.in_flight[key] > 0
+    def answered_ms(self, key: tuple[Any, str]) -> float | None:
+        """When the session's last step was answered (the engine's clock)."""
+        return self._answered_ms.get(key)
+
+    def forget(self, key: Key) -> None:
+        """The session ended."""
+        self._answered_ms.pop(key, None)
+
+    def __contains__(self, key: object) -> bool:
+        return self.in_flight[key] > 0  # type: ignore[index]
 
 
 @dataclass(frozen=True, slots=True)

@@ -96,3 +96,20 @@ async def test_a_step_undone_after_its_session_was_reopened_leaves_the_new_one_a
             below.token(await below.expect("step"))
         peer = next(iter(head.leases.last_heard))
         assert head.engine.length_of(peer, "s") == 6
+
+
+async def test_the_idle_clock_spares_a_step_on_its_way_below(
+    tiny_shards2: list[Path],
+) -> None:
+    """`--idle-timeout` at a chain's head: a step this stage finished is still in flight while the
+    stage below computes it. Its session is not idle then, and is not closed here or below."""
+    async with head_over_hand(tiny_shards2[0], {"idle_timeout_s": 0.5}, downstream_timeout_s=30) as (_, client, below):
+        await opened_below(client, below, "s")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(functools.partial(client.step, "s", 0, tokens=[1, 5, 6]))
+            held = await below.expect("step")
+            assert await below.recv(polls=200) is None  # four idle timeouts: no close came below
+            below.token(held)
+        async with trio.open_nursery() as nursery:  # the session is still open, here and below
+            nursery.start_soon(functools.partial(client.step, "s", 3, tokens=[7]))
+            below.token(await below.expect("step"))
