@@ -84,6 +84,7 @@ class Recovery(Generic[T]):
         self,
         forwarder: Forwarder,
         step_once: Callable[[bytes, wire.Step], Awaitable[T | Fault | BrokenRoute]],
+        step_here: Callable[[bytes, wire.Step], Awaitable[object]],
         *,
         max_step_tokens: int,
         attempts: int,
@@ -91,6 +92,7 @@ class Recovery(Generic[T]):
     ) -> None:
         self.forwarder = forwarder
         self.step_once = step_once  # one step through this stage and the chain, no recovery
+        self.step_here = step_here  # one step through this stage's layers alone (a Fault if not)
         self.max_step_tokens = max_step_tokens
         self.attempts = attempts
         self.deadline_s = deadline_s
@@ -116,11 +118,16 @@ class Recovery(Generic[T]):
             if not isinstance(outcome, BrokenRoute):
                 break
         elapsed = trio.current_time() - started
+        if isinstance(outcome, Fault):
+            self.stats.failed += 1
+            await self._restore(peer, req)
+            return outcome
         if isinstance(outcome, BrokenRoute):
             self.stats.failed += 1
             log.warning("session %r: no route recovered it within %d attempts", req.session, self.attempts)
+            await self._restore(peer, req)
             self.forwarder.engine.count_error(ErrorCode.DOWNSTREAM)
-            why = f"{broken.fault.message}; no route recovered the session: resend from pos 0"
+            why = f"{broken.fault.message}; no route recovered the session (it stands as before the step)"
             return Fault(ErrorCode.DOWNSTREAM, why)
         self.stats.recoveries += 1
         self.stats.seconds_total += elapsed
@@ -139,10 +146,29 @@ class Recovery(Generic[T]):
             out = "hidden" if req.out == "hidden" else "logits"  # no sampling: the sampler's state stays
             replay = wire.Step(req.rid, req.session, start, len(tokens), "tokens", out, "f32", tokens=tokens)
             done = await self._step(peer, replay)
+            if isinstance(done, Fault) and self.forwarder.engine.max_tokens_of(peer, req.session) is not None:
+                return BrokenRoute(done)  # refused below: that route is no good either
             if isinstance(done, BrokenRoute | Fault):
                 return done
             self.stats.replayed_tokens += len(tokens)
         return await self._step(peer, req)
+
+    async def _restore(self, peer: bytes, req: wire.Step) -> None:
+        """After a recovery that failed: this stage's KV of the session rebuilt up to `req.pos`,
+        as before the step (a replay recomputes it from position 0, and a failed one stops short).
+        Through this stage's layers alone: nothing below holds the session any more."""
+        length = self.forwarder.engine.length_of(peer, req.session)
+        if length is None or length >= req.pos:
+            return
+        history = self.histories.before((peer, req.session), req.pos)
+        if len(history) < req.pos:
+            return
+        for start in range(length, req.pos, self.max_step_tokens):
+            tokens = history[start : start + self.max_step_tokens]
+            part = wire.Step(req.rid, req.session, start, len(tokens), "tokens", "hidden", "f32", tokens=tokens)
+            if isinstance(await self.step_here(peer, part), Fault):
+                log.warning("session %r: its KV could not be rebuilt here past %d", req.session, start)
+                return
 
     async def _step(self, peer: bytes, req: wire.Step) -> T | Fault | BrokenRoute:
         """One step, waiting out `busy` (congestion, not a broken route) until the deadline."""

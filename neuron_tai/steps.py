@@ -124,6 +124,7 @@ class StepRunner:
             self.recovery = Recovery(
                 forwarder,
                 self._once,
+                self._here,
                 max_step_tokens=stage.max_step_tokens,
                 attempts=recovery.attempts,
                 deadline_s=recovery.deadline_s,

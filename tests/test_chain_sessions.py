@@ -13,6 +13,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import trio
 
@@ -21,6 +22,7 @@ from neuron_tai.config import NodeConfig
 from neuron_tai.forwarding import forwarded_session
 from neuron_tai.node import Node, open_node
 from tests.hand_stage import HandStage
+from tests.test_generate import RawPeer, int32
 from tests.test_node import engine_config
 
 
@@ -113,3 +115,66 @@ async def test_the_idle_clock_spares_a_step_on_its_way_below(
         async with trio.open_nursery() as nursery:  # the session is still open, here and below
             nursery.start_soon(functools.partial(client.step, "s", 3, tokens=[7]))
             below.token(await below.expect("step"))
+
+
+async def refuse_the_step_then_its_replay(below: HandStage, replay: str) -> None:
+    """The route breaks under a step, and the route recovery opens breaks (or refuses) its replay."""
+    below.error(await below.expect("step"), "internal")
+    while (got := await below.recv()) is not None:
+        if got[1]["op"] == "open":
+            below.opened(got)
+        elif got[1]["op"] == "step":
+            assert got[1]["pos"] == 0
+            below.error(got, replay)
+            return
+
+
+@pytest.mark.parametrize("replay", ["internal", "shutting_down"])
+async def test_a_recovery_that_fails_leaves_the_session_as_before_the_step(
+    tiny_shards2: list[Path], replay: str
+) -> None:
+    async with head_over_hand(tiny_shards2[0], recovery_attempts=1) as (head, client, below):
+        await opened_below(client, below, "s")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(functools.partial(client.step, "s", 0, tokens=[1, 5, 6]))
+            below.token(await below.expect("step"))
+        refused: list[str] = []
+
+        async def failing_step() -> None:
+            with pytest.raises(NodeError) as error:
+                await client.step("s", 3, tokens=[7])
+            refused.append(error.value.code)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(failing_step)
+            await refuse_the_step_then_its_replay(below, replay)
+        stats = await client.stats()
+        assert refused == ["downstream"]  # a replay refused below is a route no better than a broken one
+        assert (stats["recoveries_total"], stats["recoveries_failed_total"]) == (0, 1)
+        assert head.engine.length_of(next(iter(head.leases.last_heard)), "s") == 3
+
+
+async def test_a_stream_whose_recovery_fails_keeps_what_it_streamed(tiny_shards2: list[Path]) -> None:
+    async with head_over_hand(tiny_shards2[0], recovery_attempts=1) as (head, _, below):
+        raw = RawPeer(head.address)
+        try:
+            raw.send({"op": "open", "rid": 1, "session": "s", "max_tokens": 32})
+            below.opened(await below.expect("open"))
+            assert (await raw.recv())[0]["op"] == "opened"
+            raw.send({"op": "generate", "rid": 2, "session": "s", "pos": 0, "n": 3, "max_new": 9}, int32([1, 5, 6]))
+            for token in (7, 8):
+                below.token(await below.expect("step"), token)
+            await refuse_the_step_then_its_replay(below, "internal")  # the pass at pos 4, feeding 8
+            replies = [await raw.recv() for _ in range(3)]
+        finally:
+            raw.close()
+    streamed = [t for header, frames in replies[:2] for t in np.frombuffer(frames[0], "<i4")]
+    last = replies[2][0]
+    assert streamed == [7, 8] and [h["op"] for h, _ in replies[:2]] == ["generated", "generated"]
+    assert (last["op"], last["code"], last["rid"], last["session"], last["length"]) == (
+        "error",
+        "downstream",
+        2,
+        "s",
+        4,
+    )
