@@ -207,6 +207,7 @@ class NextStage:
             "max_outbox_bytes": self.core.pump.max_bytes,
         }
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
+        """`linger_ms`: how long ZeroMQ may still try to deliver what was sent (on stopping)."""
         self.monitor.close()
-        self.sock.close()
+        self.sock.close(linger_ms)

@@ -139,6 +139,11 @@ class Forwarder:
         if self.opens.pop((peer, session), None) is not None:
             self.replicas.release(forwarded_session(peer, session))
 
+    def close_all(self) -> None:
+        """This stage stops: every session it forwarded is closed below (queued, never waits)."""
+        for peer, session in list(self.opens):
+            self.session_freed(peer, session)
+
     def stats(self, *, show_address: bool) -> dict[str, Any]:
         """The links together (counters summed, `connected` if any replica is up) and each replica."""
         links = self.replicas.links

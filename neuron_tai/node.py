@@ -55,6 +55,10 @@ from transport.trio_zmq import TrioSocket
 
 log = logging.getLogger("neuron_tai.node")
 
+# How long a stopping node's links may still deliver what it sent below (the closes of the
+# sessions it forwarded) before the process exits: a next stage that is gone costs no more.
+SHUTDOWN_LINGER_MS = 1000
+
 
 def bind_router(ctx: zmq.Context[zmq.Socket[bytes]], config: NodeConfig) -> zmq.Socket[bytes]:
     """The node's ROUTER socket, bound; closed again if it cannot bind (a socket left open
@@ -168,6 +172,10 @@ class Node:
             max_pending_bytes=config.max_text_pending_bytes,
         )
         self.session_ends = engine.session_ends  # taken now: the engine posts ends from then on
+
+    def forwarder_links(self) -> list[NextStage]:
+        """The links to the next stage's replicas (none on a last stage)."""
+        return [] if self.next is None else list(self.next.links)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The socket tasks, the leases and every request's task live in this nursery."""
@@ -334,9 +342,9 @@ async def open_node(config: NodeConfig) -> AsyncIterator[Node]:
                     yield node
         finally:  # the tasks that owned the sockets have ended
             router.close(linger=0)
-            if node is not None and node.next is not None:
-                for link in node.next.links:
-                    link.close()
+            if node is not None:
+                for link in node.forwarder_links():
+                    link.close(linger_ms=SHUTDOWN_LINGER_MS)
 
 
 @asynccontextmanager
@@ -361,8 +369,10 @@ async def _serving(node: Node) -> AsyncIterator[None]:
             with trio.move_on_after(config.drain_timeout_s):
                 await engine.stopped.wait()
                 await node.pool.idle.wait()  # the last replies, relayed from the next stage too
-            with trio.move_on_after(1.0):  # let the pump deliver the last replies
-                while node.pump.queued:
+            if node.forwarder is not None:  # what the engine freed stopping, freed below at once
+                node.forwarder.close_all()
+            with trio.move_on_after(1.0):  # let the pumps deliver the last replies, and those closes
+                while node.pump.queued or any(link.core.pump.queued for link in node.forwarder_links()):
                     await trio.sleep(0.01)
             nursery.cancel_scope.cancel()
 

@@ -178,3 +178,20 @@ async def test_a_stream_whose_recovery_fails_keeps_what_it_streamed(tiny_shards2
         "s",
         4,
     )
+
+
+async def test_a_head_that_stops_closes_its_sessions_below(tiny_shards2: list[Path]) -> None:
+    below = HandStage()
+    config = NodeConfig(engine_config(tiny_shards2[0]), bind="tcp://127.0.0.1:0", next=below.address)
+    try:
+        async with (
+            open_node(config) as head,
+            open_client(head.address, timeout_s=30, retries=0) as client,
+            trio.open_nursery() as nursery,
+        ):
+            nursery.start_soon(client.open, "s", 16)
+            forwarded = await below.expect("open")
+            below.opened(forwarded)
+        assert (await below.expect("close"))[1]["session"] == forwarded[1]["session"]
+    finally:
+        below.close()
