@@ -25,8 +25,9 @@ class HandStage:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.address = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
 
-    async def recv(self, polls: int = 1000) -> Request | None:
-        """The next request, polled every 10 ms (None after `polls` polls with none)."""
+    async def recv(self, polls: int = 1000, *, pings: bool = False) -> Request | None:
+        """The next request, polled every 10 ms (None after `polls` polls with none); pings are
+        answered, and returned only with `pings`."""
         for _ in range(polls):
             try:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK)
@@ -36,12 +37,13 @@ class HandStage:
             header = msgpack.unpackb(frames[1])
             if header["op"] == "ping":
                 self.send(frames[0], {"op": "pong", "rid": header["rid"]})
-                continue
+                if not pings:
+                    continue
             return frames[0], header
         return None
 
     async def expect(self, op: str) -> Request:
-        got = await self.recv()
+        got = await self.recv(pings=op == "ping")
         assert got is not None and got[1]["op"] == op, got
         return got
 

@@ -195,3 +195,14 @@ async def test_a_head_that_stops_closes_its_sessions_below(tiny_shards2: list[Pa
         assert (await below.expect("close"))[1]["session"] == forwarded[1]["session"]
     finally:
         below.close()
+
+
+async def test_a_next_stage_that_tells_its_lease_only_in_stats_is_kept_alive(tiny_shards2: list[Path]) -> None:
+    """PROTOCOL.md puts `lease_ms` in `stats`; `opened` need not say it. The head asks, then pings."""
+    async with head_over_hand(tiny_shards2[0]) as (_, client, below):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(client.open, "s", 16)
+            below.opened(await below.expect("open"), lease_ms=None)
+        peer, asked = await below.expect("stats")
+        below.send(peer, {"op": "stats", "rid": asked["rid"], "stats": {"lease_ms": 400}})
+        await below.expect("ping")  # due a quarter lease after the head last sent anything
