@@ -499,3 +499,21 @@ def test_a_stage_holding_a_tied_head_reads_its_file_into_memory_and_computes_the
     mapped = open_backend(tied_last)  # the same stage, mapped as before
     assert mapped.model.mapped and _maps_file(tied_last)
     assert np.array_equal(logits_of(read), logits_of(mapped))
+
+
+@pytest.mark.parametrize("temperature", [150.0, float(np.finfo(np.float32).max)])
+def test_a_huge_temperature_samples_from_the_whole_vocabulary(
+    tiny_model: Path, open_backend: OpenBackend, temperature: float
+) -> None:
+    """The largest temperatures the wire takes (float32's largest) flatten the distribution, and
+    never turn the logits into NaN: every draw is a token of the vocabulary, and they differ."""
+    backend: StageBackend = open_backend(tiny_model)
+    prompt = np.array(prompts(8, [6])["s0"], np.int32)
+    drawn = set()
+    for seed in range(8):
+        seq = backend.open_sequence(Sampling(temperature=temperature, seed=seed))
+        token = backend.decode([Segment(seq, 0, tokens=prompt, output=Output.TOKEN)])[0].token
+        assert token is not None and 0 <= token < backend.info.n_vocab
+        drawn.add(token)
+        backend.close_sequence(seq)
+    assert len(drawn) > 4

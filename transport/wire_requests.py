@@ -32,11 +32,13 @@ from transport.wire_header import (
 from transport.wire_values import int32_bytes, int32_frame, one_frame, read_bool, read_int, read_str
 
 MAX_SESSION_BYTES = 128
-MAX_TEMPERATURE = 100.0
-MAX_TOP_K = 2**31 - 1  # llama.cpp takes top_k as int32
-# Sampling runs in float32: a positive value below its smallest normal number would be
-# subnormal there (or round to 0), so such temperatures and top_p are refused.
+MAX_TOP_K = 2**31 - 1  # llama.cpp takes top_k as int32; more keeps every token, as 0 does
+# Sampling runs in float32. A positive value below its smallest normal number would be
+# subnormal there (or round to 0), and one above its largest would be infinite: the node
+# takes what such values tend to (greedy for a vanishing temperature, only the likeliest
+# token for a vanishing top_p, uniform for a huge temperature) at float32's own limits.
 F32_MIN_NORMAL = float(np.finfo(np.float32).tiny)
+F32_MAX = float(np.finfo(np.float32).max)
 SEED_RANGE = (-(2**63), 2**64)  # what a msgpack integer can hold; the sampler hashes it to 32 bits
 MAX_TEXT_TOKENS = 2**18
 OUTS = ("hidden", "token", "logits", "tokens")  # what a step may ask for (`tokens`: a v1 extension)
@@ -147,16 +149,13 @@ def _session(h: dict[str, Any], rid: int) -> str:
 
 
 def _real(raw: dict[str, Any], key: str, default: float, hi: float, zero_ok: bool, rid: int) -> float:
-    """A finite number in [0, hi] (or (0, hi]) that is not subnormal in float32: 0 itself only if `zero_ok`."""
+    """A finite number in [0, hi] (or (0, hi] unless `zero_ok`)."""
     v = raw.get(key, default)
-    allowed = (
-        f"'sampling.{key}' must be a finite number in {'[' if zero_ok else '('}0, {hi:g}], "
-        f"{'either 0 or ' if zero_ok else ''}at least {F32_MIN_NORMAL:.7g} (the smallest normal float32)"
-    )
+    allowed = f"'sampling.{key}' must be a finite number in {'[' if zero_ok else '('}0, {hi:g}]"
     if not (isinstance(v, int | float) and not isinstance(v, bool)):
         raise Fault(ErrorCode.BAD_REQUEST, allowed, rid=rid)
     f = float(v)  # msgpack integers are at most 2**64: finite as floats
-    if not (math.isfinite(f) and f <= hi and (f >= F32_MIN_NORMAL or (zero_ok and f == 0))):
+    if not (math.isfinite(f) and 0 <= f <= hi and (zero_ok or f > 0)):
         raise Fault(ErrorCode.BAD_REQUEST, f"{allowed}; got {show(v)}", rid=rid)
     return f
 
@@ -167,11 +166,11 @@ def _sampling(h: dict[str, Any], rid: int) -> Sampling:
         return Sampling()
     if not isinstance(raw, dict) or not all(isinstance(k, str) for k in raw):
         raise Fault(ErrorCode.BAD_REQUEST, "'sampling' must be a map", rid=rid)
-    temperature = _real(raw, "temperature", 0.0, MAX_TEMPERATURE, True, rid)
-    top_p = _real(raw, "top_p", 1.0, 1.0, False, rid)
+    temperature = _real(raw, "temperature", 0.0, math.inf, True, rid)
+    temperature = 0.0 if temperature < F32_MIN_NORMAL else min(temperature, F32_MAX)
+    top_p = max(_real(raw, "top_p", 1.0, 1.0, False, rid), F32_MIN_NORMAL)
     top_k = read_int(raw, "top_k", rid, lo=0, default=0)
-    if top_k > MAX_TOP_K:
-        raise Fault(ErrorCode.BAD_REQUEST, f"'sampling.top_k' must be in [0, {MAX_TOP_K}]", rid=rid)
+    top_k = 0 if top_k > MAX_TOP_K else top_k
     seed = read_int(raw, "seed", rid, default=0)
     if not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
         raise Fault(ErrorCode.BAD_REQUEST, "'sampling.seed' must be in [-2**63, 2**64)", rid=rid)
