@@ -28,6 +28,8 @@ from transport import wire
 log = logging.getLogger("neuron_tai.replicas")
 
 _FAILED_CODES = frozenset({ErrorCode.DOWNSTREAM, ErrorCode.INTERNAL})
+# An open refused for want of room (or because the replica is stopping) may fit on another.
+_FULL_CODES = frozenset({ErrorCode.KV_BUDGET, ErrorCode.SESSION_LIMIT, ErrorCode.BUSY, ErrorCode.SHUTTING_DOWN})
 PROBE_RETRY_S = 1.0  # between probes of a connected replica that did not answer one
 
 
@@ -73,9 +75,11 @@ class Replicas:
 
     async def open(self, session: str, request: wire.Open) -> wire.Reply | None:
         """Open `session` on the least-loaded replica that is up, trying the others while one
-        fails; the reply of the replica that answered (None: none did)."""
+        fails or has no room; the reply of the replica that opened it, else the last refusal
+        (None: none answered)."""
         await self.wait_up(self.connect_wait_s)
         tried: set[int] = set()
+        refused: wire.Reply | None = None
         while (index := self.book.choose(trio.current_time(), self._connected(), frozenset(tried))) is not None:
             tried.add(index)
             self.book.place(index)  # counted before the reply: opens at once spread over the replicas
@@ -92,6 +96,9 @@ class Replicas:
                 continue
             if not isinstance(reply, wire.Opened):
                 self.book.release(index)
+                if isinstance(reply, wire.ErrorReply) and reply.code in _FULL_CODES:
+                    refused = reply
+                    continue
                 return reply
             if not self._same(index, reply):
                 self.book.release(index)
@@ -99,7 +106,7 @@ class Replicas:
                 continue
             self.placed[session] = index
             return reply
-        return None
+        return refused
 
     async def request(self, session: str, request: wire.Request) -> wire.Reply | None:
         """A request for a session on the replica it lives on (None: it has none, or that replica failed)."""

@@ -206,3 +206,37 @@ async def test_a_next_stage_that_tells_its_lease_only_in_stats_is_kept_alive(tin
         peer, asked = await below.expect("stats")
         below.send(peer, {"op": "stats", "rid": asked["rid"], "stats": {"lease_ms": 400}})
         await below.expect("ping")  # due a quarter lease after the head last sent anything
+
+
+async def next_open(stages: list[HandStage]) -> tuple[HandStage, tuple[bytes, dict[str, Any]]]:
+    """The first `open` any of `stages` receives (pings answered, closes skipped)."""
+    for _ in range(1000):
+        for stage in stages:
+            got = await stage.recv(polls=1)
+            if got is not None and got[1]["op"] == "open":
+                return stage, got
+    raise AssertionError("no open came")
+
+
+async def test_an_open_a_replica_has_no_room_for_goes_to_another(tiny_shards2: list[Path]) -> None:
+    replicas = [HandStage(), HandStage()]
+    config = NodeConfig(
+        engine_config(tiny_shards2[0]), bind="tcp://127.0.0.1:0", next=",".join(r.address for r in replicas)
+    )
+    try:
+        async with open_node(config) as head, open_client(head.address, timeout_s=30, retries=0) as client:
+            for _ in replicas:  # each replica is checked (a session of one position) as it connects
+                stage, probe = await next_open(replicas)
+                stage.opened(probe)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(client.open, "s", 16)
+                full, (peer, first) = await next_open(replicas)
+                full.send(peer, {"op": "error", "rid": first["rid"], "code": "kv_budget", "message": "full",
+                                 "retry_after_ms": 100})  # fmt: skip
+                other, second = await next_open(replicas)
+                assert other is not full and second[1]["session"] == first["session"]
+                other.opened(second)
+            assert head.next is not None and head.next.placed[first["session"]] == replicas.index(other)
+    finally:
+        for r in replicas:
+            r.close()
