@@ -211,9 +211,9 @@ def oversize_frame(t: Target) -> Frames:
 # -- out-of-range fields -----------------------------------------------------------------
 
 F32_DENORMAL = 1e-40
-_TEMPERATURES = (float("inf"), float("-inf"), float("nan"), F32_DENORMAL, 5e-324, -1.0, 100.5, 1e308, True, "hot")
-_TOP_K = (2**31, 2**63 - 1, 2**64 - 1, -1, 1.5, None)
-_TOP_P = (0, 0.0, 1.0000001, float("nan"), 2, F32_DENORMAL, -0.5)
+_TEMPERATURES = (float("inf"), float("-inf"), float("nan"), -F32_DENORMAL, -5e-324, -1.0, -1e308, True, "hot")
+_TOP_K = (-1, -(2**63), 1.5, None, "3")
+_TOP_P = (0, 0.0, 1.0000001, float("nan"), 2, -F32_DENORMAL, -0.5)
 _SESSIONS = ("", "x" * 129, "é" * 65, 5, None, b"bytes", ["s"])
 _MAX_TOKENS = (0, -1, 2**63 - 1, 2**31, "8", 1.0, None)
 

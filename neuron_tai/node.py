@@ -148,7 +148,7 @@ class Node:
         )
         self.pool = HandlerPool(limits, self.outbox.error)
         self.forwarder = Forwarder(self.next, engine) if self.next is not None else None
-        self.gate = SessionGate()
+        self.gate = SessionGate(lambda key: engine.max_tokens_of(*key) is not None)
         engine.activity = self.gate  # its idle clock runs from a step's answer, not its end here
         recovery = RecoveryLimits(config.recovery_attempts, config.recovery_deadline_s)
         self.steps = StepRunner(engine, self.stage, self.forwarder, recovery, config.part_rows)

@@ -13,6 +13,7 @@ writes it to a socket.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -73,9 +74,10 @@ class SessionGate:
     does not exist all go on, to be answered `unknown_session` by the engine.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, is_open: Callable[[Key], bool]) -> None:
         self.in_flight: Counter[Key] = Counter()
-        self._answered_ms: dict[Key, float] = {}
+        self.is_open = is_open  # whether the engine holds the session (else nothing is kept for it)
+        self._answered_ms: dict[Key, float] = {}  # open sessions only: forgotten when they end
 
     def enter(self, key: Key) -> None:
         self.in_flight[key] += 1
@@ -84,7 +86,8 @@ class SessionGate:
         self.in_flight[key] -= 1
         if not self.in_flight[key]:
             del self.in_flight[key]
-            self._answered_ms[key] = now_ms()
+            if self.is_open(key):
+                self._answered_ms[key] = now_ms()
 
     def answered_ms(self, key: tuple[Any, str]) -> float | None:
         """When the session's last step was answered (the engine's clock)."""

@@ -210,8 +210,7 @@ def test_garbage_from_the_next_stage_is_downstream_not_a_stopped_node(tiny_shard
 
         def open_answered_with(make: Any) -> dict[str, Any]:
             client.send("open", session="s", max_tokens=16)
-            peer, req = forwarded(fake_next)
-            assert req["op"] == "open"
+            peer, req = forwarded(fake_next, "open")  # after the close of an open left unanswered
             fake_next.send_multipart([peer, *make(req["rid"])])
             return client.recv()[0]
 
@@ -230,7 +229,7 @@ def test_garbage_from_the_next_stage_is_downstream_not_a_stopped_node(tiny_shard
             assert answer["op"] == "error" and answer["code"] == "downstream", answer
         relayed = open_answered_with(lambda rid: [reply("error", rid, code="busy", message="m" * 5000)])
         assert relayed["code"] == "busy" and len(relayed["message"]) <= 512
-        opened = open_answered_with(lambda rid: [reply("opened", rid, stage=STAGE, kv_reserved=16)])
+        opened = open_answered_with(lambda rid: [reply("opened", rid, stage=STAGE, kv_reserved=16, lease_ms=60_000)])
         assert opened["op"] == "opened" and opened["stage"]["layers"] == [0, 4]
 
         def step_answered_with(make: Any) -> dict[str, Any]:
@@ -239,7 +238,9 @@ def test_garbage_from_the_next_stage_is_downstream_not_a_stopped_node(tiny_shard
             while req["op"] != "step":  # a failed step closed the session there: it is opened again
                 assert req["op"] in ("close", "open"), req
                 if req["op"] == "open":
-                    fake_next.send_multipart([peer, reply("opened", req["rid"], stage=STAGE, kv_reserved=16)])
+                    fake_next.send_multipart(
+                        [peer, reply("opened", req["rid"], stage=STAGE, kv_reserved=16, lease_ms=60_000)]
+                    )
                 peer, req = forwarded(fake_next)
             assert req["n"] == 2
             fake_next.send_multipart([peer, *make(req)])

@@ -542,6 +542,7 @@ async def test_chained_step_is_in_flight_until_the_next_stage_answers(tiny_shard
                     "session": req["session"],
                     "kv_reserved": 20,
                     "stage": {"last": True, "layers": [2, 4]},
+                    "lease_ms": 60_000,
                 }
                 fake_next.send_multipart([peer, msgpack.packb(opened)])
             replies: list[Any] = []
@@ -628,3 +629,15 @@ async def test_a_node_that_cannot_bind_fails_at_once_and_closes_its_socket(tiny_
             async with open_node(NodeConfig(engine_config(tiny_model), bind=first.address)):
                 pass
         assert failed.value.errno == zmq.EADDRINUSE
+
+
+async def test_steps_of_sessions_that_do_not_exist_leave_nothing_behind(tiny_model: Path) -> None:
+    """Every step's end is noted for the idle clock, but only of a session that is open: a peer
+    stepping made-up sessions must not grow the node's memory."""
+    async with node_and_client(tiny_model) as (node, client):
+        for i in range(3):
+            with pytest.raises(NodeError):
+                await client.step(f"never-{i}", 0, tokens=[1])
+        peer = next(iter(node.leases.last_heard))
+        assert [node.gate.answered_ms((peer, f"never-{i}")) for i in range(3)] == [None] * 3
+        assert not node.gate.in_flight

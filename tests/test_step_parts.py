@@ -83,7 +83,7 @@ async def test_a_part_the_next_stage_refuses_undoes_the_whole_step_here(tiny_sha
                 nursery.start_soon(functools.partial(c.open, "s", 20))
                 peer, req = await next_request(fake_next)
                 stage = {"last": True, "layers": [2, 4]}
-                _answer(fake_next, peer, req, {"op": "opened", "kv_reserved": 20, "stage": stage})
+                _answer(fake_next, peer, req, {"op": "opened", "kv_reserved": 20, "stage": stage, "lease_ms": 60_000})
             failed: list[NodeError] = []
 
             async def step() -> None:
