@@ -72,6 +72,20 @@ _DOWN = (
 )
 
 
+def _set_up(sock: zmq.Socket[bytes], curve: ClientCurve | None, hwm: int, send_hwm: int) -> None:
+    """A link's DEALER: its own routing id, heartbeats, no linger, and the high-water marks."""
+    if curve is not None:  # the node's own key pair, and the next stage's public key
+        curve.apply(sock)
+    sock.setsockopt(zmq.ROUTING_ID, os.urandom(16))
+    sock.setsockopt(zmq.IMMEDIATE, 1)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TIMEOUT_MS)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, send_hwm)
+    sock.setsockopt(zmq.RCVHWM, hwm)
+
+
 class NextStage:
     def __init__(
         self,
@@ -88,19 +102,21 @@ class NextStage:
         max_outbox_bytes: int = MAX_OUTBOX_BYTES,
     ) -> None:
         sock = ctx.socket(zmq.DEALER)
-        if curve is not None:  # the node's own key pair, and the next stage's public key
-            curve.apply(sock)
-        self.routing_id = os.urandom(16)
-        sock.setsockopt(zmq.ROUTING_ID, self.routing_id)
-        sock.setsockopt(zmq.IMMEDIATE, 1)
-        sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-        sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TIMEOUT_MS)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, hwm if send_hwm is None else send_hwm)
-        sock.setsockopt(zmq.RCVHWM, hwm)
-        self.monitor = TrioSocket(sock.get_monitor_socket(_UP | _DOWN))
-        sock.connect(address)
+        monitor: TrioSocket | None = None
+        try:  # a socket left open would keep the context (and the process) from ever ending
+            _set_up(sock, curve, hwm, hwm if send_hwm is None else send_hwm)
+            self.routing_id = sock.getsockopt(zmq.ROUTING_ID)
+            monitor = TrioSocket(sock.get_monitor_socket(_UP | _DOWN))
+            sock.connect(address)
+        except BaseException as exc:
+            if monitor is not None:
+                monitor.close()
+            sock.close(linger=0)
+            if isinstance(exc, zmq.ZMQError):
+                reason = zmq.strerror(exc.errno or 0)
+                raise ValueError(f"cannot connect to the next stage {address}: {reason}") from None
+            raise
+        self.monitor = monitor
         self.address = address
         self.timeout_s = timeout_s
         self.connect_wait_s = connect_wait_s

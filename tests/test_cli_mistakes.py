@@ -97,6 +97,19 @@ def test_serve_on_a_port_in_use(tiny_model: Path, held_port: int) -> None:
     refused(run("serve", str(tiny_model), "--bind", address), 2, f"cannot listen on {address}: the port is in use")
 
 
+def test_addresses_zeromq_refuses_are_one_line_and_the_node_exits(tiny_model: Path, tmp_path: Path) -> None:
+    """Addresses that pass the syntax check but that ZeroMQ refuses: the socket is closed, so the
+    process ends (a socket left open would keep it waiting for ever) with one line."""
+    long_path = "ipc://" + "x" * 120  # longer than a Unix socket's path may be
+    refused(
+        run("serve", str(tiny_model), "--next", long_path, "--log-level", "warning"),
+        2,
+        f"cannot connect to the next stage {long_path}: File name too long",
+    )
+    missing = f"ipc://{tmp_path}/no/such/dir/node.sock"
+    refused(run("serve", str(tiny_model), "--bind", missing), 2, f"cannot listen on {missing}")
+
+
 def test_metrics_on_a_port_in_use(tiny_model: Path, held_port: int) -> None:
     result = run("serve", str(tiny_model), "--bind", "tcp://127.0.0.1:*", "--metrics-port", str(held_port))
     refused(result, 2, f"cannot listen on http://127.0.0.1:{held_port}: the port is in use")
