@@ -184,8 +184,15 @@ def _maps(path: Path) -> bool:
 class OwnedModel:
     """A llama.cpp model pointer with one owner, and text to ids and back with its vocabulary."""
 
-    _ptr: lc.llama_model_p | None
-    vocab: lc.llama_vocab_p
+    _ptr: lc.llama_model_p | None = None
+    _vocab: lc.llama_vocab_p | None = None
+
+    @property
+    def vocab(self) -> lc.llama_vocab_p:
+        """The vocabulary's pointer, while the model is open (it is part of the model)."""
+        if self._ptr is None or self._vocab is None:
+            raise RuntimeError("model is closed")
+        return self._vocab
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         return tokenize(self.vocab, text, add_special)
@@ -197,6 +204,7 @@ class OwnedModel:
         if self._ptr is not None:
             lc.llama_model_free(self._ptr)
             self._ptr = None
+            self._vocab = None
 
     def __del__(self) -> None:
         self.close()
@@ -236,7 +244,7 @@ class LlamaModel(OwnedModel):
         if self.kernel_path is KernelPath.AMX and self.placement.path is not KernelPath.AMX:
             self.close()
             raise RuntimeError(f"{path}: llama.cpp put weights in the AMX buffer although {kernels!r} was asked for")
-        self.vocab = lc.llama_model_get_vocab(ptr)
+        self._vocab = lc.llama_model_get_vocab(ptr)
         self.n_embd = int(lc.llama_model_n_embd(ptr))
         self.n_layer = int(lc.llama_model_n_layer(ptr))
         self.n_vocab = int(lc.llama_vocab_n_tokens(self.vocab))
@@ -271,7 +279,7 @@ class Vocabulary(OwnedModel):
         if not ptr:
             raise ValueError(f"{path}: llama.cpp could not read its vocabulary")
         self._ptr = ptr
-        self.vocab = lc.llama_model_get_vocab(ptr)
+        self._vocab = lc.llama_model_get_vocab(ptr)
         self.n_vocab = int(lc.llama_vocab_n_tokens(self.vocab))
 
 
@@ -296,13 +304,16 @@ def _bytes_ptr(blob: npt.NDArray[np.uint8]) -> ctypes._Pointer[ctypes.c_uint8]:
 class LlamaContext:
     """A llama.cpp context (KV cache + compute buffers) over a model."""
 
+    _ptr: lc.llama_context_p | None = None  # also while __init__ fails: `close` then has nothing to free
+    _memory: lc.llama_memory_t | None = None
+
     def __init__(self, model: LlamaModel, params: lc.llama_context_params) -> None:
         ptr = lc.llama_init_from_model(model.ptr, params)
         if not ptr:
             raise ValueError("llama.cpp could not create a context with these parameters")
-        self._ptr: lc.llama_context_p | None = ptr
+        self._ptr = ptr
         self._params = params  # keeps the eval callback object alive with the context
-        self.memory = lc.llama_get_memory(ptr)
+        self._memory = lc.llama_get_memory(ptr)
         self.n_ctx = int(lc.llama_n_ctx(ptr))
         self.n_seq_max = int(lc.llama_n_seq_max(ptr))
 
@@ -311,6 +322,13 @@ class LlamaContext:
         if self._ptr is None:
             raise RuntimeError("context is closed")
         return self._ptr
+
+    @property
+    def memory(self) -> lc.llama_memory_t:
+        """The context's KV memory, while the context is open."""
+        if self._ptr is None or self._memory is None:
+            raise RuntimeError("context is closed")
+        return self._memory
 
     def decode(self, batch: lc.llama_batch) -> int:
         return int(lc.llama_decode(self.ptr, batch))
@@ -357,7 +375,7 @@ class LlamaContext:
         if self._ptr is not None:
             lc.llama_free(self._ptr)
             self._ptr = None
-            self.memory = None
+            self._memory = None
 
     def __del__(self) -> None:
         self.close()

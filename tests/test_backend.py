@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import os
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -517,3 +519,29 @@ def test_a_huge_temperature_samples_from_the_whole_vocabulary(
         drawn.add(token)
         backend.close_sequence(seq)
     assert len(drawn) > 4
+
+
+def test_closed_handles_refuse_instead_of_reaching_freed_memory(tiny_model: Path) -> None:
+    """After close, the model's vocabulary and the context's KV memory are gone: using them is
+    an error here, never a call into llama.cpp with a freed (or null) pointer."""
+    backend = StageBackend(tiny_model, CONFIG)
+    model, ctx = backend.model, backend.ctx
+    backend.close()
+    backend.close()  # twice is safe
+    with pytest.raises(RuntimeError, match="model is closed"):
+        model.tokenize("hello")
+    with pytest.raises(RuntimeError, match="model is closed"):
+        model.is_eog(1)
+    with pytest.raises(RuntimeError, match="context is closed"):
+        ctx.seq_rm(0, 0)
+
+
+def test_a_context_llama_cpp_refuses_fails_with_one_error(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """More sequences than llama.cpp holds (256): a ValueError, and nothing else on the way out
+    (no half-built handle complaining when it is collected)."""
+    unraisable: list[Any] = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    with pytest.raises(ValueError, match="could not create a context"):
+        StageBackend(tiny_model, replace(CONFIG, n_seq_max=300))
+    gc.collect()
+    assert unraisable == []
