@@ -62,6 +62,7 @@ log = logging.getLogger("neuron_tai.downstream")
 HEARTBEAT_IVL_MS = 250
 HEARTBEAT_TIMEOUT_MS = 1000
 CONNECT_WAIT_S = 2.0  # how long a request waits for the link to come up before it fails
+CLOSE_RETRY_S = 0.1  # how often closes the outbox had no room for are tried again
 
 _UP = zmq.EVENT_HANDSHAKE_SUCCEEDED
 _DOWN = (
@@ -142,7 +143,22 @@ class NextStage:
             await nursery.start(self.core.run)
             nursery.start_soon(self._watch)
             nursery.start_soon(self.keeper.run)
+            nursery.start_soon(self._retry_closes)
             task_status.started()
+
+    async def _retry_closes(self) -> None:
+        """Closes that found the outbox full go out as it drains: a close that is lost would
+        leave the session's KV below until its lease, and the lease is kept for the others."""
+        while True:
+            await trio.sleep(CLOSE_RETRY_S)
+            if self.connected:
+                self._send_pending_closes()
+
+    def _send_pending_closes(self) -> None:
+        for session in list(self._closes_pending):
+            if not self.core.send_nowait(Close(0, session)):
+                return
+            self._closes_pending.discard(session)
 
     async def _watch(self) -> None:
         """Follow the connection's state from the socket monitor's events."""
@@ -153,9 +169,7 @@ class NextStage:
                     log.info("next stage %s connected", self.address)
                     self.core.pump.drop_outbox()  # queued while down: too old to send now
                     self.core.pump.hold(False)
-                    for session in self._closes_pending:
-                        self.core.send_nowait(Close(0, session))
-                    self._closes_pending.clear()
+                    self._send_pending_closes()
                     self._down = trio.Event()
                 self.connected = True
                 self._up.set()
@@ -180,6 +194,8 @@ class NextStage:
         """The next stage's reply to `request` (`error` replies included), checked against it;
         None when it failed, did not answer, or the link is down."""
         op = op_of(request)
+        if self.connected and self._closes_pending:  # closes go first: an open may reuse their ids
+            self._send_pending_closes()
         if not self.connected:
             with trio.move_on_after(min(self.connect_wait_s, self.timeout_s)):
                 await self._up.wait()
@@ -207,10 +223,10 @@ class NextStage:
     def close_soon(self, session: str) -> None:
         """Close a forwarded session there without waiting for the answer (never blocks)."""
         self.keeper.closed(session)
-        if not self.connected:  # sent once the link is up again (it is bounded by the sessions forwarded)
+        # Else sent once the link is up again, or once the outbox has room; bounded by the
+        # sessions forwarded.
+        if not (self.connected and self.core.send_nowait(Close(0, session))):
             self._closes_pending.add(session)
-        elif not self.core.send_nowait(Close(0, session)):
-            log.warning("next stage %s: the close of %s could not be queued", self.address, session)
 
     def stats(self) -> dict[str, Any]:
         return {

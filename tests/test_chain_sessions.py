@@ -16,9 +16,11 @@ from typing import Any
 import numpy as np
 import pytest
 import trio
+import zmq
 
 from neuron_tai.client import Client, NodeError, open_client
 from neuron_tai.config import NodeConfig
+from neuron_tai.downstream import NextStage
 from neuron_tai.forwarding import forwarded_session
 from neuron_tai.node import Node, open_node
 from tests.hand_stage import HandStage
@@ -240,3 +242,22 @@ async def test_an_open_a_replica_has_no_room_for_goes_to_another(tiny_shards2: l
     finally:
         for r in replicas:
             r.close()
+
+
+async def test_a_close_the_links_outbox_has_no_room_for_goes_out_later(tiny_shards2: list[Path]) -> None:
+    below = HandStage()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    link = NextStage(ctx, below.address, 5.0, 1, 64, 268)  # room for one message in its outbox
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(link.run)
+            await link.wait_connected()
+            link.core.pump.hold(True)  # nothing leaves: the outbox stays full
+            link.close_soon("a")
+            link.close_soon("b")  # no room for it now
+            link.core.pump.hold(False)
+            assert [(await below.expect("close"))[1]["session"] for _ in "ab"] == ["a", "b"]
+            nursery.cancel_scope.cancel()
+    finally:
+        link.close()
+        below.close()
