@@ -45,6 +45,11 @@ class _Progress:
     passes: int = 0  # steps through the chain that went through
     kv_length: int = 0  # what the session holds after the last pass (past `pos` by rejected drafts)
     max_tokens: int = 0
+    busy_since: float | None = None  # when the passes began to be answered `busy` in a row
+
+
+# How long a run waits out `busy` passes in a row before it fails with it.
+BUSY_PATIENCE_S = 30.0
 
 
 class Generations:
@@ -124,6 +129,21 @@ class Generations:
         if run.then_close is not None:  # its `done` is out: now the close it was stopped for
             run.then_close()
 
+    async def _waits_out(self, outcome: object, progress: _Progress) -> bool:
+        """Whether a `busy` mid-run was waited out, to try the pass again. A full queue is this
+        node's own congestion (or a stage's below): the run waits its turn (a one-token step
+        always fits again) instead of failing the client's generation, for up to
+        `BUSY_PATIENCE_S` in a row; a stage busy for longer fails the run with it."""
+        if not (isinstance(outcome, Fault) and outcome.code is ErrorCode.BUSY and progress.produced):
+            progress.busy_since = None
+            return False
+        now = trio.current_time()
+        progress.busy_since = now if progress.busy_since is None else progress.busy_since
+        if now - progress.busy_since >= BUSY_PATIENCE_S:
+            return False
+        await trio.sleep(max(outcome.retry_after_ms or 0, 1) / 1000)
+        return True
+
     async def _run(self, peer: bytes, req: wire.Generate, run: Generation, hold: Held) -> None:
         """Step until a token or `cancel` ends the run; then `done` (or the error that ended it)."""
         rule = EndRule(req.max_new, req.stop, frozenset() if req.ignore_eog else self.engine.eog_tokens)
@@ -137,10 +157,7 @@ class Generations:
                 break
             drafts = self._drafts(drafter, progress, rule)
             outcome = await self.steps.run(peer, _pass(req, progress, drafts))
-            if isinstance(outcome, Fault) and outcome.code is ErrorCode.BUSY and progress.produced:
-                # A full queue mid-run is this node's own congestion: the run waits its turn
-                # (a one-token step always fits again) instead of failing the client's generation.
-                await trio.sleep(max(outcome.retry_after_ms or 0, 1) / 1000)
+            if await self._waits_out(outcome, progress):
                 continue
             if isinstance(outcome, Fault):
                 await self._failed(peer, req, run, progress, outcome)

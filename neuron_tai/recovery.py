@@ -114,7 +114,7 @@ class Recovery(Generic[T]):
                 await trio.sleep(min(0.25 * 2**attempt, 2.0, max(0.0, deadline - trio.current_time())))
             if trio.current_time() >= deadline:
                 break
-            outcome = await self._attempt(peer, req)
+            outcome = await self._attempt(peer, req, deadline)
             if not isinstance(outcome, BrokenRoute):
                 break
         elapsed = trio.current_time() - started
@@ -134,7 +134,7 @@ class Recovery(Generic[T]):
         self.stats.seconds_max = max(self.stats.seconds_max, elapsed)
         return outcome
 
-    async def _attempt(self, peer: bytes, req: wire.Step) -> T | Fault | BrokenRoute:
+    async def _attempt(self, peer: bytes, req: wire.Step, deadline: float) -> T | Fault | BrokenRoute:
         """Reopen below, replay the history before `req.pos`, then run `req` itself."""
         if not await self.forwarder.reroute(peer, req.session):
             unopened = Fault(ErrorCode.DOWNSTREAM, "no replica of the next stage opened the session")
@@ -145,13 +145,13 @@ class Recovery(Generic[T]):
             tokens = history[start : start + chunk]
             out = "hidden" if req.out == "hidden" else "logits"  # no sampling: the sampler's state stays
             replay = wire.Step(req.rid, req.session, start, len(tokens), "tokens", out, "f32", tokens=tokens)
-            done = await self._step(peer, replay)
+            done = await self._step(peer, replay, deadline)
             if isinstance(done, Fault) and self.forwarder.engine.max_tokens_of(peer, req.session) is not None:
                 return BrokenRoute(done)  # refused below: that route is no good either
             if isinstance(done, BrokenRoute | Fault):
                 return done
             self.stats.replayed_tokens += len(tokens)
-        return await self._step(peer, req)
+        return await self._step(peer, req, deadline)
 
     async def _restore(self, peer: bytes, req: wire.Step) -> None:
         """After a recovery that failed: this stage's KV of the session rebuilt up to `req.pos`,
@@ -170,10 +170,10 @@ class Recovery(Generic[T]):
                 log.warning("session %r: its KV could not be rebuilt here past %d", req.session, start)
                 return
 
-    async def _step(self, peer: bytes, req: wire.Step) -> T | Fault | BrokenRoute:
+    async def _step(self, peer: bytes, req: wire.Step, deadline: float) -> T | Fault | BrokenRoute:
         """One step, waiting out `busy` (congestion, not a broken route) until the deadline."""
         while True:
             done = await self.step_once(peer, req)
-            if not (isinstance(done, Fault) and done.code is ErrorCode.BUSY):
+            if not (isinstance(done, Fault) and done.code is ErrorCode.BUSY) or trio.current_time() >= deadline:
                 return done
             await trio.sleep(max(done.retry_after_ms or 0, 1) / 1000)

@@ -18,6 +18,7 @@ import pytest
 import trio
 import zmq
 
+from neuron_tai import generate_run
 from neuron_tai.client import Client, NodeError, open_client
 from neuron_tai.config import NodeConfig
 from neuron_tai.downstream import NextStage
@@ -261,3 +262,37 @@ async def test_a_close_the_links_outbox_has_no_room_for_goes_out_later(tiny_shar
     finally:
         link.close()
         below.close()
+
+
+async def answer_busy(below: HandStage) -> None:
+    """Every step from now on is refused `busy` (what a congested stage says)."""
+    while (got := await below.recv()) is not None:
+        if got[1]["op"] == "step":
+            peer, req = got
+            below.send(peer, {"op": "error", "rid": req["rid"], "code": "busy", "message": "full",
+                              "retry_after_ms": 10})  # fmt: skip
+
+
+async def test_a_run_a_stage_below_keeps_answering_busy_fails_with_it(
+    tiny_shards2: list[Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A `generate` waits out `busy` mid-run, but not for ever: past its patience the run ends in
+    that `busy`, saying where the session stands."""
+    monkeypatch.setattr(generate_run, "BUSY_PATIENCE_S", 0.3)
+    async with head_over_hand(tiny_shards2[0]) as (head, _, below):
+        raw = RawPeer(head.address)
+        try:
+            raw.send({"op": "open", "rid": 1, "session": "s", "max_tokens": 32})
+            below.opened(await below.expect("open"))
+            assert (await raw.recv())[0]["op"] == "opened"
+            raw.send({"op": "generate", "rid": 2, "session": "s", "pos": 0, "n": 3, "max_new": 9}, int32([1, 5, 6]))
+            below.token(await below.expect("step"), 7)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(answer_busy, below)
+                replies = [await raw.recv() for _ in range(2)]
+                nursery.cancel_scope.cancel()
+        finally:
+            raw.close()
+    assert replies[0][0]["op"] == "generated"
+    last = replies[1][0]
+    assert (last["op"], last["code"], last["rid"], last["session"], last["length"]) == ("error", "busy", 2, "s", 3)
