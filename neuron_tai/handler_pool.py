@@ -59,6 +59,7 @@ class HandlerPool:
         self.idle = trio.Event()
         self.idle.set()
         self._nursery: trio.Nursery | None = None
+        self.stopping = False
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Every request's task lives in this nursery."""
@@ -66,6 +67,14 @@ class HandlerPool:
             self._nursery = nursery
             task_status.started()
             await trio.sleep_forever()
+        self._nursery = None
+
+    def stop_all(self) -> None:
+        """The node stops and the drain is over: every request still in progress is cancelled,
+        and answered `shutting_down` (its replies go out before the node's socket closes)."""
+        if self._nursery is not None:
+            self.stopping = True
+            self._nursery.cancel_scope.cancel()
 
     def spawn(
         self,
@@ -80,11 +89,13 @@ class HandlerPool:
         """Run `work()` as a task that holds `held` bytes, or refuse it `busy` (False). `session`
         goes into the refusals of a request whose replies all carry it (`generate`)."""
         held = held or Held()
+        if self._nursery is None or self.stopping:
+            self.on_refused(peer, rid, Fault(ErrorCode.SHUTTING_DOWN, "the node is stopping"), session)
+            return False
         why = self._no_room_for(peer, held.size)
         if why is not None:
             self.on_refused(peer, rid, Fault(ErrorCode.BUSY, why), session)
             return False
-        assert self._nursery is not None
         self.active += 1
         self.by_peer[peer] += 1
         self._take(peer, held.size)
@@ -130,6 +141,11 @@ class HandlerPool:
     ) -> None:
         try:
             await work()
+        except trio.Cancelled:
+            if self.stopping:
+                why = Fault(ErrorCode.SHUTTING_DOWN, "the node stopped before this request was done")
+                self.on_refused(peer, rid, why, session)
+            raise
         except Exception as exc:  # a bug must cost one request, never the node
             log.exception("request %d failed", rid)
             self.on_refused(peer, rid, Fault(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"), session)

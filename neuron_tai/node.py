@@ -55,8 +55,9 @@ from transport.trio_zmq import TrioSocket
 
 log = logging.getLogger("neuron_tai.node")
 
-# How long a stopping node's links may still deliver what it sent below (the closes of the
-# sessions it forwarded) before the process exits: a next stage that is gone costs no more.
+# How long a stopping node's sockets may still deliver what it sent (its last replies, and
+# the closes of the sessions it forwarded) before the process exits: a peer that is gone
+# costs no more.
 SHUTDOWN_LINGER_MS = 1000
 
 
@@ -341,7 +342,7 @@ async def open_node(config: NodeConfig) -> AsyncIterator[Node]:
                 async with _serving(node):
                     yield node
         finally:  # the tasks that owned the sockets have ended
-            router.close(linger=0)
+            router.close(linger=SHUTDOWN_LINGER_MS)  # the last replies still go out
             if node is not None:
                 for link in node.forwarder_links():
                     link.close(linger_ms=SHUTDOWN_LINGER_MS)
@@ -350,7 +351,7 @@ async def open_node(config: NodeConfig) -> AsyncIterator[Node]:
 @asynccontextmanager
 async def _serving(node: Node) -> AsyncIterator[None]:
     """The node's tasks (and its metrics endpoint) until the caller is done; then drain."""
-    config, engine = node.config, node.engine
+    config = node.config
     async with trio.open_nursery() as nursery:
         await nursery.start(node.run)
         if config.metrics_port is not None:
@@ -365,16 +366,26 @@ async def _serving(node: Node) -> AsyncIterator[None]:
         try:
             yield
         finally:
-            engine.begin_shutdown()
-            with trio.move_on_after(config.drain_timeout_s):
-                await engine.stopped.wait()
-                await node.pool.idle.wait()  # the last replies, relayed from the next stage too
-            if node.forwarder is not None:  # what the engine freed stopping, freed below at once
-                node.forwarder.close_all()
-            with trio.move_on_after(1.0):  # let the pumps deliver the last replies, and those closes
-                while node.pump.queued or any(link.core.pump.queued for link in node.forwarder_links()):
-                    await trio.sleep(0.01)
+            await _drain(node)
             nursery.cancel_scope.cancel()
+
+
+async def _drain(node: Node) -> None:
+    """Stop taking work and finish what is in progress (up to the drain timeout); answer what is
+    left `shutting_down`, close the sessions forwarded below, and let those replies go out."""
+    engine = node.engine
+    engine.begin_shutdown()
+    with trio.move_on_after(node.config.drain_timeout_s):
+        await engine.stopped.wait()
+        await node.pool.idle.wait()  # the last replies, relayed from the next stage too
+    node.pool.stop_all()
+    with trio.move_on_after(1.0):
+        await node.pool.idle.wait()
+    if node.forwarder is not None:  # what the engine freed stopping, freed below at once
+        node.forwarder.close_all()
+    with trio.move_on_after(1.0):  # let the pumps deliver the last replies, and those closes
+        while node.pump.queued or any(link.core.pump.queued for link in node.forwarder_links()):
+            await trio.sleep(0.01)
 
 
 def _warn_if_unauthenticated(config: NodeConfig, address: str) -> None:

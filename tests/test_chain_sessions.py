@@ -296,3 +296,29 @@ async def test_a_run_a_stage_below_keeps_answering_busy_fails_with_it(
     assert replies[0][0]["op"] == "generated"
     last = replies[1][0]
     assert (last["op"], last["code"], last["rid"], last["session"], last["length"]) == ("error", "busy", 2, "s", 3)
+
+
+async def test_a_step_the_drain_did_not_finish_is_answered_shutting_down(tiny_shards2: list[Path]) -> None:
+    """A head stopping while the stage below holds a step: when the drain time is up, the step is
+    answered `shutting_down` before the node's socket closes, not left to the client's timeout."""
+    below = HandStage()
+    config = NodeConfig(
+        engine_config(tiny_shards2[0], drain_timeout_s=0.5),
+        bind="tcp://127.0.0.1:0",
+        next=below.address,
+        drain_timeout_s=0.5,
+    )
+    try:
+        async with open_node(config) as head:
+            raw = RawPeer(head.address)
+            raw.send({"op": "open", "rid": 1, "session": "s", "max_tokens": 16})
+            below.opened(await below.expect("open"))
+            assert (await raw.recv())[0]["op"] == "opened"
+            raw.send({"op": "step", "rid": 2, "session": "s", "pos": 0, "n": 3, "input": "tokens", "out": "token"},
+                     int32([1, 5, 6]))  # fmt: skip
+            await below.expect("step")  # and never answered
+        reply = (await raw.recv())[0]
+        raw.close()
+    finally:
+        below.close()
+    assert (reply["op"], reply["code"], reply["rid"]) == ("error", "shutting_down", 2)
