@@ -39,8 +39,11 @@ def cleanup_key(request: Cleanup) -> CleanupKey:
 
 
 def merge(old: Cleanup, new: Cleanup) -> Cleanup:
-    """Two cleanups of one session as one: a close covers a rollback; two rollbacks, the earlier pos."""
+    """Two cleanups of one session as one: a close covers a rollback; two rollbacks, the earlier
+    pos, unless they undo steps of different openings (the older one's session is gone)."""
     if isinstance(old, Rollback) and isinstance(new, Rollback):
+        if old.opening is not None and new.opening is not None and old.opening != new.opening:
+            return old if old.opening > new.opening else new
         return old if old.pos <= new.pos else new
     return old if isinstance(old, CloseRequest | DropOwner) else new
 

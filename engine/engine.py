@@ -251,6 +251,12 @@ class Engine:
         found = self.scheduler.sessions.get((owner, session))
         return None if found is None else found.max_tokens
 
+    def opening_of(self, owner: Any, session: str) -> int | None:
+        """Which admission an open session is (a session opened again under its name has
+        another); None when there is no such session."""
+        found = self.scheduler.sessions.get((owner, session))
+        return None if found is None else found.opening
+
     def sessions_of(self, owner: Any) -> int:
         """How many open sessions `owner` holds."""
         return sum(1 for key in self.scheduler.sessions if key[0] == owner)

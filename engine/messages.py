@@ -122,7 +122,7 @@ class StepDone:
     logits: npt.NDArray[np.float32] | None = None
     token: int | None = None
     tokens: npt.NDArray[np.int32] | None = None  # `Output.TOKENS`: one per row
-    opening: int = 0  # which opening of the session it ran in (`Rollback.opening`)
+    opening: int | None = None  # which opening of the session it ran in (`Rollback.opening`)
 
 
 @dataclass(frozen=True, slots=True)

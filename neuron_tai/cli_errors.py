@@ -15,8 +15,6 @@ import sys
 import traceback
 from collections.abc import Iterator
 
-import zmq
-
 from engine.budgets import BudgetError
 from neuron_tai import __version__
 from neuron_tai.client import NodeError
@@ -125,6 +123,4 @@ def bind_failure(exc: BaseException, address: str) -> BindError | None:
     number = getattr(exc, "errno", None)
     if number in (errno.EADDRINUSE, errno.EACCES, errno.EADDRNOTAVAIL):
         return BindError(address, _reason(OSError(number, "")))
-    if isinstance(exc, zmq.ZMQError):  # any other reason ZeroMQ gives (no such directory, a name too long)
-        return BindError(address, zmq.strerror(exc.errno or 0))
     return None

@@ -131,6 +131,7 @@ class NextStage:
         self._up = trio.Event()
         self._down = trio.Event()  # set when the connection that is up goes down
         self._closes_pending: set[str] = set()
+        self._close_waits = trio.Event()  # set while a close waits to be sent
         self.failures = 0
         self.malformed = 0
         self.disconnects = 0
@@ -150,9 +151,12 @@ class NextStage:
         """Closes that found the outbox full go out as it drains: a close that is lost would
         leave the session's KV below until its lease, and the lease is kept for the others."""
         while True:
-            await trio.sleep(CLOSE_RETRY_S)
-            if self.connected:
-                self._send_pending_closes()
+            await self._close_waits.wait()
+            while self._closes_pending:
+                await (trio.sleep(CLOSE_RETRY_S) if self.connected else self._up.wait())
+                if self.connected:
+                    self._send_pending_closes()
+            self._close_waits = trio.Event()
 
     def _send_pending_closes(self) -> None:
         for session in list(self._closes_pending):
@@ -227,6 +231,7 @@ class NextStage:
         # sessions forwarded.
         if not (self.connected and self.core.send_nowait(Close(0, session))):
             self._closes_pending.add(session)
+            self._close_waits.set()
 
     def stats(self) -> dict[str, Any]:
         return {

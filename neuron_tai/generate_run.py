@@ -243,8 +243,9 @@ class Generations:
         delivered none: it keeps the prompt); `length` says where it stands."""
         if not self._stream(peer, req, progress, flush=True):
             return
-        # Where the session stands now: after a failed recovery that is where its replay stopped;
-        # never past the last token kept (a pass's rejected drafts may still be in the KV).
+        # Where the session stands now (a failed recovery rebuilt it to the pass's `pos`, or as
+        # far as it could); never past the last token kept (a pass's rejected drafts may still
+        # be in the KV).
         kept = progress.pos if req.stream else req.pos + req.n
         run.length = self.engine.length_of(peer, req.session) or 0
         if progress.produced:

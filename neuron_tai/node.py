@@ -22,6 +22,7 @@ which treats a connection past its bound as gone (its sessions are freed).
 
 from __future__ import annotations
 
+import errno
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -74,11 +75,22 @@ def bind_router(ctx: zmq.Context[zmq.Socket[bytes]], config: NodeConfig) -> zmq.
         sock.setsockopt(zmq.SNDHWM, config.send_hwm)
         sock.setsockopt(zmq.RCVHWM, config.hwm)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.bind(config.bind)
+        _bind(sock, config.bind)
     except BaseException:
         sock.close(linger=0)
         raise
     return sock
+
+
+def _bind(sock: zmq.Socket[bytes], address: str) -> None:
+    """Bind; an address ZeroMQ refuses for a reason other than one the caller maps (in use,
+    denied, not this host's) is a ValueError naming it and the reason."""
+    try:
+        sock.bind(address)
+    except zmq.ZMQError as exc:
+        if exc.errno in (errno.EADDRINUSE, errno.EACCES, errno.EADDRNOTAVAIL):
+            raise
+        raise ValueError(f"cannot listen on {address}: {zmq.strerror(exc.errno or 0)}") from None
 
 
 def next_stages(ctx: zmq.Context[zmq.Socket[bytes]], config: NodeConfig, engine: Engine) -> Replicas | None:

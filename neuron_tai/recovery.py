@@ -104,6 +104,7 @@ class Recovery(Generic[T]):
         started = trio.current_time()
         log.warning("session %r lost its route (%s): recovering", req.session, broken.fault.message)
         outcome: T | Fault | BrokenRoute = broken
+        opening = self.forwarder.engine.opening_of(peer, req.session)
         deadline = started + self.deadline_s
         # The deadline is checked between attempts, never inside one: an attempt cancelled
         # midway would leave an open in flight below, or its replay step in the head's engine
@@ -114,61 +115,68 @@ class Recovery(Generic[T]):
                 await trio.sleep(min(0.25 * 2**attempt, 2.0, max(0.0, deadline - trio.current_time())))
             if trio.current_time() >= deadline:
                 break
-            outcome = await self._attempt(peer, req, deadline)
+            outcome = await self._attempt(peer, req, deadline, opening)
             if not isinstance(outcome, BrokenRoute):
                 break
         elapsed = trio.current_time() - started
         if isinstance(outcome, Fault):
             self.stats.failed += 1
-            await self._restore(peer, req)
+            await self._restore(peer, req, opening)
             return outcome
         if isinstance(outcome, BrokenRoute):
             self.stats.failed += 1
             log.warning("session %r: no route recovered it within %d attempts", req.session, self.attempts)
-            await self._restore(peer, req)
+            whole = await self._restore(peer, req, opening)
             self.forwarder.engine.count_error(ErrorCode.DOWNSTREAM)
-            why = f"{broken.fault.message}; no route recovered the session (it stands as before the step)"
-            return Fault(ErrorCode.DOWNSTREAM, why)
+            stands = "it stands as before the step" if whole else "resend it from position 0"
+            return Fault(ErrorCode.DOWNSTREAM, f"{broken.fault.message}; no route recovered the session ({stands})")
         self.stats.recoveries += 1
         self.stats.seconds_total += elapsed
         self.stats.seconds_max = max(self.stats.seconds_max, elapsed)
         return outcome
 
-    async def _attempt(self, peer: bytes, req: wire.Step, deadline: float) -> T | Fault | BrokenRoute:
+    async def _attempt(
+        self, peer: bytes, req: wire.Step, deadline: float, opening: int | None
+    ) -> T | Fault | BrokenRoute:
         """Reopen below, replay the history before `req.pos`, then run `req` itself."""
+        if self._gone(peer, req.session, opening):
+            return _gone_fault()
         if not await self.forwarder.reroute(peer, req.session):
             unopened = Fault(ErrorCode.DOWNSTREAM, "no replica of the next stage opened the session")
             return BrokenRoute(unopened)
         history = self.histories.before((peer, req.session), req.pos)
         chunk = min(self.max_step_tokens, self.forwarder.chain_max_step_tokens or self.max_step_tokens)
-        for start in range(0, len(history), chunk):
-            tokens = history[start : start + chunk]
-            out = "hidden" if req.out == "hidden" else "logits"  # no sampling: the sampler's state stays
-            replay = wire.Step(req.rid, req.session, start, len(tokens), "tokens", out, "f32", tokens=tokens)
+        out = "hidden" if req.out == "hidden" else "logits"  # no sampling: the sampler's state stays
+        for replay in _chunks(req, history, 0, chunk, out):
             done = await self._step(peer, replay, deadline)
-            if isinstance(done, Fault) and self.forwarder.engine.max_tokens_of(peer, req.session) is not None:
+            if self._gone(peer, req.session, opening):
+                return _gone_fault()
+            if isinstance(done, Fault) and not self.forwarder.engine.draining:
                 return BrokenRoute(done)  # refused below: that route is no good either
             if isinstance(done, BrokenRoute | Fault):
                 return done
-            self.stats.replayed_tokens += len(tokens)
+            self.stats.replayed_tokens += replay.n
         return await self._step(peer, req, deadline)
 
-    async def _restore(self, peer: bytes, req: wire.Step) -> None:
+    def _gone(self, peer: bytes, session: str, opening: int | None) -> bool:
+        """Whether the session was closed (and maybe opened again) since the recovery began:
+        what is recovered is no longer there to recover."""
+        return self.forwarder.engine.opening_of(peer, session) != opening
+
+    async def _restore(self, peer: bytes, req: wire.Step, opening: int | None) -> bool:
         """After a recovery that failed: this stage's KV of the session rebuilt up to `req.pos`,
         as before the step (a replay recomputes it from position 0, and a failed one stops short).
-        Through this stage's layers alone: nothing below holds the session any more."""
+        Through this stage's layers alone: nothing below holds the session any more. Whether the
+        session now stands at `req.pos`."""
         length = self.forwarder.engine.length_of(peer, req.session)
-        if length is None or length >= req.pos:
-            return
         history = self.histories.before((peer, req.session), req.pos)
-        if len(history) < req.pos:
-            return
-        for start in range(length, req.pos, self.max_step_tokens):
-            tokens = history[start : start + self.max_step_tokens]
-            part = wire.Step(req.rid, req.session, start, len(tokens), "tokens", "hidden", "f32", tokens=tokens)
+        if length is None or self._gone(peer, req.session, opening) or len(history) < req.pos:
+            return False
+        for part in _chunks(req, history, length, self.max_step_tokens, "hidden"):
             if isinstance(await self.step_here(peer, part), Fault):
-                log.warning("session %r: its KV could not be rebuilt here past %d", req.session, start)
-                return
+                log.warning("session %r: its KV could not be rebuilt here past %d", req.session, part.pos)
+                return False
+        return True
 
     async def _step(self, peer: bytes, req: wire.Step, deadline: float) -> T | Fault | BrokenRoute:
         """One step, waiting out `busy` (congestion, not a broken route) until the deadline."""
@@ -177,3 +185,16 @@ class Recovery(Generic[T]):
             if not (isinstance(done, Fault) and done.code is ErrorCode.BUSY) or trio.current_time() >= deadline:
                 return done
             await trio.sleep(max(done.retry_after_ms or 0, 1) / 1000)
+
+
+def _gone_fault() -> Fault:
+    return Fault(ErrorCode.UNKNOWN_SESSION, "the session was closed while its route was being recovered")
+
+
+def _chunks(req: wire.Step, history: npt.NDArray[np.int32], start: int, size: int, out: str) -> list[wire.Step]:
+    """`history[start:]` as steps of `req`'s session of at most `size` tokens each, asking `out`."""
+    return [
+        wire.Step(req.rid, req.session, pos, len(tokens), "tokens", out, "f32", tokens=tokens)
+        for pos in range(start, len(history), size)
+        if len(tokens := history[pos : pos + size])
+    ]

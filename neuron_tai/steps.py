@@ -223,7 +223,9 @@ class StepRunner:
             computed = after
         raise AssertionError("the last part returns")
 
-    async def _undone(self, peer: bytes, req: wire.Step, opening: int, why: Fault | BrokenRoute) -> Fault | BrokenRoute:
+    async def _undone(
+        self, peer: bytes, req: wire.Step, opening: int | None, why: Fault | BrokenRoute
+    ) -> Fault | BrokenRoute:
         """The parts done here rolled back: the session as it was before the step (unless it was
         closed meanwhile: one opened again under its name is not this step's to undo)."""
         await self.engine.cleanup(Rollback(peer, req.session, req.pos, opening))

@@ -322,3 +322,17 @@ async def test_a_step_the_drain_did_not_finish_is_answered_shutting_down(tiny_sh
     finally:
         below.close()
     assert (reply["op"], reply["code"], reply["rid"]) == ("error", "shutting_down", 2)
+
+
+async def test_a_next_stage_without_a_lease_is_asked_once(tiny_shards2: list[Path]) -> None:
+    """Its `stats` says no `lease_ms`: it frees no session for silence, so it gets no pings,
+    and later opens do not ask again."""
+    async with head_over_hand(tiny_shards2[0]) as (_, client, below):
+        for session in ("s", "t"):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(client.open, session, 16)
+                below.opened(await below.expect("open"), lease_ms=None)
+            if session == "s":
+                peer, asked = await below.expect("stats")
+                below.send(peer, {"op": "stats", "rid": asked["rid"], "stats": {}})
+        assert await below.recv(polls=50, pings=True) is None

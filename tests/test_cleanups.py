@@ -55,3 +55,16 @@ def test_listeners_of_merged_closes_are_told_once_that_the_session_existed(asked
         tell(pending.listeners, True)
     assert sorted(i for i, _ in told) == list(range(len(asked)))
     assert sum(existed for _, existed in told) == len({cleanup_key(r) for r in asked})
+
+
+@given(st.lists(st.tuples(st.integers(0, 20), st.integers(1, 3)), min_size=1, max_size=12))
+def test_of_rollbacks_of_one_session_the_newest_opening_wins(undone: list[tuple[int, int]]) -> None:
+    """A step of a session closed and opened again since is not undone in the session of now:
+    merged, the rollbacks of the newest opening stand, the one going back furthest of them."""
+    queue = CleanupQueue()
+    for pos, opening in undone:
+        queue.add(Rollback("a", "s", pos, opening), None)
+    (pending,) = queue.take_all()
+    newest = max(opening for _, opening in undone)
+    assert isinstance(pending.request, Rollback) and pending.request.opening == newest
+    assert pending.request.pos == min(pos for pos, opening in undone if opening == newest)

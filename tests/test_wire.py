@@ -300,7 +300,8 @@ F32_TINY, F32_MAX = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32)
     [
         ({"temperature": 0}, Sampling()),
         ({"temperature": 150}, Sampling(temperature=150.0)),
-        ({"temperature": 1.2e-38}, Sampling(temperature=1.2e-38)),
+        ({"temperature": 1e-30}, Sampling(temperature=1e-30)),
+        ({"temperature": 1.2e-38}, Sampling()),  # the logits divided by it would overflow: greedy
         ({"temperature": 1e-40}, Sampling()),  # subnormal in float32: greedy, what it tends to
         ({"temperature": 5e-324}, Sampling()),
         ({"temperature": 1e300}, Sampling(temperature=F32_MAX)),  # float32 would make it infinite

@@ -29,11 +29,12 @@ class LeaseKeeper:
         self.pings = 0
         self._changed = trio.Event()
         self._ask_stats = False  # an `opened` told no lease, and `stats` has not been asked yet
+        self._asked_stats = False  # it was (a node whose `stats` tells none has no lease)
 
     def opened(self, session: str, lease_ms: object) -> None:
         """A session is open there; `lease_ms` is what its `opened` reply said (None: not said)."""
         self.sessions.add(session)
-        if not self._learn(lease_ms) and self.lease_ms is None:
+        if not self._learn(lease_ms) and self.lease_ms is None and not self._asked_stats:
             self._ask_stats = True
         self._changed.set()
 
@@ -86,7 +87,7 @@ class LeaseKeeper:
             return True
         except ClientClosed:
             return False
-        self._ask_stats = False
+        self._ask_stats, self._asked_stats = False, True
         stats = header.get("stats")
         self._learn(stats.get("lease_ms") if isinstance(stats, dict) else None)
         return True

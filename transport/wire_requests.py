@@ -35,10 +35,14 @@ MAX_SESSION_BYTES = 128
 MAX_TOP_K = 2**31 - 1  # llama.cpp takes top_k as int32; more keeps every token, as 0 does
 # Sampling runs in float32. A positive value below its smallest normal number would be
 # subnormal there (or round to 0), and one above its largest would be infinite: the node
-# takes what such values tend to (greedy for a vanishing temperature, only the likeliest
-# token for a vanishing top_p, uniform for a huge temperature) at float32's own limits.
+# takes what such values tend to (only the likeliest token for a vanishing top_p, uniform
+# for a huge temperature) at float32's own limits.
 F32_MIN_NORMAL = float(np.finfo(np.float32).tiny)
 F32_MAX = float(np.finfo(np.float32).max)
+# llama.cpp divides the logits by the temperature in float32: below this it would overflow
+# (a real model's logits stay far under 1e4, and 1e4 / 1e-30 = 1e34), so such a temperature
+# is greedy, what sampling tends to as the temperature vanishes.
+GREEDY_TEMPERATURE = 1e-30
 SEED_RANGE = (-(2**63), 2**64)  # what a msgpack integer can hold; the sampler hashes it to 32 bits
 MAX_TEXT_TOKENS = 2**18
 OUTS = ("hidden", "token", "logits", "tokens")  # what a step may ask for (`tokens`: a v1 extension)
@@ -167,7 +171,7 @@ def _sampling(h: dict[str, Any], rid: int) -> Sampling:
     if not isinstance(raw, dict) or not all(isinstance(k, str) for k in raw):
         raise Fault(ErrorCode.BAD_REQUEST, "'sampling' must be a map", rid=rid)
     temperature = _real(raw, "temperature", 0.0, math.inf, True, rid)
-    temperature = 0.0 if temperature < F32_MIN_NORMAL else min(temperature, F32_MAX)
+    temperature = 0.0 if temperature < GREEDY_TEMPERATURE else min(temperature, F32_MAX)
     top_p = max(_real(raw, "top_p", 1.0, 1.0, False, rid), F32_MIN_NORMAL)
     top_k = read_int(raw, "top_k", rid, lo=0, default=0)
     top_k = 0 if top_k > MAX_TOP_K else top_k
