@@ -8,7 +8,7 @@ answer what the head forwards.
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -48,6 +48,20 @@ async def opened_below(client: Client, below: HandStage, session: str) -> None:
         below.opened(await below.expect("open"))
 
 
+async def stepped_below(client: Client, below: HandStage, tokens: list[int]) -> None:
+    """Session "s" steps `tokens` from position 0, the stage below answering with a token."""
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(functools.partial(client.step, "s", 0, tokens=tokens))
+        below.token(await below.expect("step"))
+
+
+async def refused(codes: list[str], request: Callable[[], Awaitable[object]]) -> None:
+    """Run `request`, which must fail; its error's code goes into `codes`."""
+    with pytest.raises(NodeError) as error:
+        await request()
+    codes.append(error.value.code)
+
+
 def test_forwarded_ids_tell_every_connection_and_session_apart() -> None:
     """Routing ids and session ids both take any bytes: no pair may name another pair's session."""
     assert forwarded_session(b"a", "b\0c") != forwarded_session(b"a\0b", "c")
@@ -56,17 +70,11 @@ def test_forwarded_ids_tell_every_connection_and_session_apart() -> None:
 
 async def test_an_open_the_next_stage_answers_too_late_is_closed_there(tiny_shards2: list[Path]) -> None:
     async with head_over_hand(tiny_shards2[0], downstream_timeout_s=1.0) as (_, client, below):
-        refused: list[str] = []
-
-        async def open_unanswered() -> None:
-            with pytest.raises(NodeError) as error:
-                await client.open("t", 16)
-            refused.append(error.value.code)
-
+        codes: list[str] = []
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(open_unanswered)
+            nursery.start_soon(refused, codes, functools.partial(client.open, "t", 16))
             late = await below.expect("open")  # and never answered in time
-        assert refused == ["downstream"]
+        assert codes == ["downstream"]
         assert (await below.expect("close"))[1]["session"] == late[1]["session"]
 
 
@@ -77,18 +85,10 @@ async def test_a_step_undone_after_its_session_was_reopened_leaves_the_new_one_a
     refuses it, undoing it here must not shorten (or close) the session opened since."""
     async with head_over_hand(tiny_shards2[0], recovery_attempts=0) as (head, client, below):
         await opened_below(client, below, "s")
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(functools.partial(client.step, "s", 0, tokens=[1, 5, 6, 7]))
-            below.token(await below.expect("step"))
+        await stepped_below(client, below, [1, 5, 6, 7])
         outcome: list[str] = []
-
-        async def held_step() -> None:
-            with pytest.raises(NodeError) as refused:
-                await client.step("s", 4, tokens=[8])
-            outcome.append(refused.value.code)
-
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(held_step)
+            nursery.start_soon(refused, outcome, functools.partial(client.step, "s", 4, tokens=[8]))
             held = await below.expect("step")
             async with trio.open_nursery() as closing:
                 closing.start_soon(client.close, "s")
@@ -138,33 +138,30 @@ async def test_a_recovery_that_fails_leaves_the_session_as_before_the_step(
 ) -> None:
     async with head_over_hand(tiny_shards2[0], recovery_attempts=1) as (head, client, below):
         await opened_below(client, below, "s")
+        await stepped_below(client, below, [1, 5, 6])
+        codes: list[str] = []
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(functools.partial(client.step, "s", 0, tokens=[1, 5, 6]))
-            below.token(await below.expect("step"))
-        refused: list[str] = []
-
-        async def failing_step() -> None:
-            with pytest.raises(NodeError) as error:
-                await client.step("s", 3, tokens=[7])
-            refused.append(error.value.code)
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(failing_step)
+            nursery.start_soon(refused, codes, functools.partial(client.step, "s", 3, tokens=[7]))
             await refuse_the_step_then_its_replay(below, replay)
         stats = await client.stats()
-        assert refused == ["downstream"]  # a replay refused below is a route no better than a broken one
+        assert codes == ["downstream"]  # a replay refused below is a route no better than a broken one
         assert (stats["recoveries_total"], stats["recoveries_failed_total"]) == (0, 1)
         assert head.engine.length_of(next(iter(head.leases.last_heard)), "s") == 3
+
+
+async def generating_over(raw: RawPeer, below: HandStage) -> None:
+    """Session "s" opened (below too) and running `generate` (rid 2) of a 3-token prompt."""
+    raw.send({"op": "open", "rid": 1, "session": "s", "max_tokens": 32})
+    below.opened(await below.expect("open"))
+    assert (await raw.recv())[0]["op"] == "opened"
+    raw.send({"op": "generate", "rid": 2, "session": "s", "pos": 0, "n": 3, "max_new": 9}, int32([1, 5, 6]))
 
 
 async def test_a_stream_whose_recovery_fails_keeps_what_it_streamed(tiny_shards2: list[Path]) -> None:
     async with head_over_hand(tiny_shards2[0], recovery_attempts=1) as (head, _, below):
         raw = RawPeer(head.address)
         try:
-            raw.send({"op": "open", "rid": 1, "session": "s", "max_tokens": 32})
-            below.opened(await below.expect("open"))
-            assert (await raw.recv())[0]["op"] == "opened"
-            raw.send({"op": "generate", "rid": 2, "session": "s", "pos": 0, "n": 3, "max_new": 9}, int32([1, 5, 6]))
+            await generating_over(raw, below)
             for token in (7, 8):
                 below.token(await below.expect("step"), token)
             await refuse_the_step_then_its_replay(below, "internal")  # the pass at pos 4, feeding 8
@@ -282,10 +279,7 @@ async def test_a_run_a_stage_below_keeps_answering_busy_fails_with_it(
     async with head_over_hand(tiny_shards2[0]) as (head, _, below):
         raw = RawPeer(head.address)
         try:
-            raw.send({"op": "open", "rid": 1, "session": "s", "max_tokens": 32})
-            below.opened(await below.expect("open"))
-            assert (await raw.recv())[0]["op"] == "opened"
-            raw.send({"op": "generate", "rid": 2, "session": "s", "pos": 0, "n": 3, "max_new": 9}, int32([1, 5, 6]))
+            await generating_over(raw, below)
             below.token(await below.expect("step"), 7)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(answer_busy, below)
