@@ -27,6 +27,7 @@ from engine.kernels import KERNEL_CHOICES
 from engine.kv_compaction import Compaction, compact
 from engine.llama_handles import LlamaContext, LlamaModel, SamplerChain, capture_llama_log, logged_buffers
 from engine.messages import Output
+from engine.process_memory import release_free_heap
 from engine.window_pins import WindowPins, context_sequences
 from protocol.errors import ErrorCode, Fault
 from protocol.sampling import GREEDY, Sampling
@@ -194,6 +195,7 @@ class StageBackend:
         self.pins = WindowPins(self.ctx, config.n_seq_max, m.n_swa) if pinned else None
         self.decode_seconds = 0.0  # time spent inside llama_decode, for overhead accounting
         self.decode_calls = 0
+        release_free_heap()  # what loading freed is not held for allocations that never come
 
     @property
     def compute_buffer_bytes(self) -> int:

@@ -19,13 +19,16 @@ if TYPE_CHECKING:  # engine.backend loads llama.cpp: `neuron-tai` builds its par
 
 _BUDGET = "refuse to start if the {} take more bytes than this"
 
-# A chain's last stage computes prompts in micro-batches of 128 rows, not llama-server's 512: the
-# activations llama.cpp sizes by them are pages the stage touches. On the 1B shape's last stages
-# that was 57 MiB less resident and 0-2% longer 512-row prefill calls (evidence/tail-ubatch/); the
-# stages that hold the output head are the ones over their memory target. Elsewhere (a whole
+# A chain's last stage computes prompts in micro-batches of 64 rows, not llama-server's 512: its
+# compute buffer is sized for a micro-batch's worth of logits rows (64 x the vocabulary), and the
+# pages a call touches there are resident. A head sends a prompt on in parts of 64 rows
+# (`--part-rows`), so each part is one micro-batch either way. On the 1B shape's 11:16, 128 rows
+# held 57 MiB less than 512 and 64 rows 9.6 MiB less again; whole 512-row prefill calls took
+# -1% to +7% longer at 64 than 128, within the host's noise (evidence/tail-ubatch/,
+# evidence/tail-memory/). Elsewhere (a whole
 # model, a head, a middle stage) the node computes as llama-server does.
 N_UBATCH = 512
-TAIL_N_UBATCH = 128
+TAIL_N_UBATCH = 64
 
 
 def default_n_ubatch(facts: ModelFacts) -> int:
@@ -49,7 +52,7 @@ class EngineConfig:
             "help": "rows llama.cpp computes at once (at most --n-batch)",
             "group": "tuning",
             "min": 1,
-            "shown": "512, 128 on a chain's last stage",
+            "shown": "512, 64 on a chain's last stage",
         },
     )
     n_threads: int = field(

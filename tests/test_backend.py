@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import os
 import sys
@@ -24,7 +25,7 @@ from engine.backend import (
 from engine.gguf_header import read_header
 from engine.llama_handles import LlamaModel, capture_llama_log, reads_every_weight
 from engine.messages import Output
-from engine.process_memory import release_mapped_file
+from engine.process_memory import release_free_heap, release_mapped_file, resident_memory
 from neuron_tai.shard import write_stages
 from protocol.errors import ErrorCode, Fault
 from protocol.sampling import Sampling
@@ -383,6 +384,26 @@ def _resident_bytes_of(path: Path) -> int:
         elif inside and fields[0] == "Rss:":
             total += int(fields[1]) * 1024
     return total
+
+
+@pytest.mark.skipif(not hasattr(ctypes.CDLL(None), "malloc_trim"), reason="glibc's malloc_trim")
+def test_heap_a_load_freed_goes_back_to_the_system() -> None:
+    """Blocks freed below the heap's top stay resident until released: free() alone gives back
+    only a free top, and a stage's later allocations are too few to reuse them."""
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    size = 64 * 1024  # under glibc's mmap threshold: heap blocks
+    blocks = [libc.malloc(size) for _ in range(256)]
+    for block in blocks:
+        ctypes.memset(block, 1, size)
+    for block in blocks[:-1]:
+        libc.free(block)
+    held = resident_memory().anon
+    assert release_free_heap()
+    released = held - resident_memory().anon
+    libc.free(blocks[-1])  # it kept the freed blocks below the top until now
+    assert released >= 8 * 2**20  # of the 16 MiB freed
 
 
 def test_released_file_pages_come_back_on_use_with_identical_outputs(

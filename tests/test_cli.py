@@ -59,7 +59,7 @@ def test_a_chains_last_stage_computes_prompts_in_smaller_micro_batches(
     def rows(path: Path, *flags: str) -> int:
         return node_config(values("serve", str(path), *flags)).engine.context(read_facts(path)).n_ubatch
 
-    assert [rows(p) for p in (tiny_model, *tiny_shards3)] == [512, 512, 512, 128]  # whole, head, middle, last
+    assert [rows(p) for p in (tiny_model, *tiny_shards3)] == [512, 512, 512, 64]  # whole, head, middle, last
     assert rows(tiny_shards3[-1], "--n-ubatch", "256") == rows(tiny_model, "--n-ubatch", "256") == 256
     assert rows(tiny_shards3[-1], "--n-batch", "64") == 64
 
