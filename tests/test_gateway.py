@@ -236,7 +236,7 @@ async def test_stop_strings_cut_the_text_also_across_a_token_boundary(node: str)
 
 
 async def test_errors_are_openai_shaped_with_http_status(node: str) -> None:
-    async with gateway(node) as base, httpx.AsyncClient(base_url=base) as http:
+    async with gateway(node) as base, httpx.AsyncClient(base_url=base, timeout=60) as http:
         reply = await http.post("/completions", json={"model": "tiny", "prompt": "x", "n": 2})
         assert reply.status_code == 400
         assert reply.json()["error"]["param"] == "n"
@@ -262,7 +262,7 @@ async def test_errors_are_openai_shaped_with_http_status(node: str) -> None:
 
 
 async def test_fields_the_gateway_cannot_honour_are_refused_and_their_defaults_accepted(node: str) -> None:
-    async with gateway(node) as base, httpx.AsyncClient(base_url=base) as http:
+    async with gateway(node) as base, httpx.AsyncClient(base_url=base, timeout=60) as http:
         base_body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 2}
         refused: list[tuple[str, Any]] = [
             ("tools", [{"type": "function", "function": {"name": "f"}}]),
@@ -331,7 +331,7 @@ async def test_a_full_node_is_429_with_retry_after(tiny_model: Path) -> None:
     with running(proc):
         async with open_client(proc.address) as holder, gateway(proc.address) as base:
             await holder.open("held", 16)
-            async with httpx.AsyncClient(base_url=base) as http:
+            async with httpx.AsyncClient(base_url=base, timeout=60) as http:
                 reply = await http.post("/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 4})
                 assert reply.status_code == 429
                 assert int(reply.headers["Retry-After"]) >= 1
@@ -341,7 +341,7 @@ async def test_a_full_node_is_429_with_retry_after(tiny_model: Path) -> None:
                 )
                 assert streamed.status_code == 429
             await holder.close("held")
-            async with httpx.AsyncClient(base_url=base) as http:
+            async with httpx.AsyncClient(base_url=base, timeout=60) as http:
                 assert (
                     await http.post("/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 4})
                 ).status_code == 200
@@ -367,7 +367,7 @@ async def test_a_stream_whose_generate_the_node_refuses_gets_the_refusal_as_its_
 async def test_a_node_with_nothing_listening_is_502() -> None:
     async with (
         gateway(f"tcp://127.0.0.1:{_free_port()}", timeout_s=0.5) as base,
-        httpx.AsyncClient(base_url=base) as http,
+        httpx.AsyncClient(base_url=base, timeout=60) as http,
     ):
         reply = await http.post("/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 4})
         assert reply.status_code == 502
@@ -401,7 +401,7 @@ async def test_a_client_that_disconnects_mid_stream_leaves_no_session(node: str)
 
 
 async def test_metrics_count_requests_and_carry_the_nodes_stats(node: str) -> None:
-    async with gateway(node) as base, httpx.AsyncClient(base_url=base) as http:
+    async with gateway(node) as base, httpx.AsyncClient(base_url=base, timeout=60) as http:
         await http.post("/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 2})
         await http.post("/completions", json={"model": "tiny", "prompt": PROMPT, "n": 3})
         text = (await http.get(base.removesuffix("/v1") + "/metrics")).text
@@ -423,7 +423,7 @@ def _node_calls(metrics: str) -> dict[str, float]:
 
 async def _streamed_texts(base: str, prompts: list[str], max_tokens: int) -> tuple[list[str], dict[str, float]]:
     texts = []
-    async with httpx.AsyncClient(base_url=base) as http:
+    async with httpx.AsyncClient(base_url=base, timeout=60) as http:
         for prompt in prompts:
             body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
             async with http.stream("POST", "/completions", json=body) as reply:

@@ -83,7 +83,10 @@ async def test_health_is_503_once_the_chains_next_stage_is_gone(
     tail = NodeProcess(tiny_shards2[1], addr[1])
     head = NodeProcess(tiny_shards2[0], addr[0], ["--next", addr[1]])
     with running(tail, head):
-        async with gateway(head.address) as base, httpx.AsyncClient(base_url=base.removesuffix("/v1")) as http:
+        async with (
+            gateway(head.address) as base,
+            httpx.AsyncClient(base_url=base.removesuffix("/v1"), timeout=60) as http,
+        ):
 
             async def healthy() -> bool:
                 return (await http.get("/health")).status_code == 200
@@ -116,13 +119,16 @@ async def test_every_request_gets_an_access_log_line_and_failures_an_error_line(
     node: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="neuron_tai.gateway")
-    async with gateway(node) as base, httpx.AsyncClient(base_url=base) as http:
+    async with gateway(node) as base, httpx.AsyncClient(base_url=base, timeout=60) as http:
         body = {**TINY, "prompt": PROMPT, "max_tokens": 5, "temperature": 0}
         full = (await http.post("/completions", json=body)).json()
         await http.post("/completions", json={**body, "stream": True})  # greedy: the same tokens
         await http.post("/completions", json={"model": "gpt-4", "prompt": PROMPT})
         await http.get(base.removesuffix("/v1") + "/health")
-    async with gateway(f"tcp://127.0.0.1:{_free_port()}", timeout_s=0.5) as base, httpx.AsyncClient(base_url=base) as h:
+    async with (
+        gateway(f"tcp://127.0.0.1:{_free_port()}", timeout_s=0.5) as base,
+        httpx.AsyncClient(base_url=base, timeout=60) as h,
+    ):
         await h.post("/completions", json={**TINY, "prompt": PROMPT})
     access = [r.getMessage() for r in caplog.records if r.name == "neuron_tai.gateway.access"]
     matched = [LINE.match(line) for line in access]
@@ -143,7 +149,10 @@ async def test_every_request_gets_an_access_log_line_and_failures_an_error_line(
 
 
 async def test_only_the_served_model_and_its_aliases_are_answered(node: str) -> None:
-    async with gateway(node, model_aliases=("tiny-latest", "tiny")) as base, httpx.AsyncClient(base_url=base) as http:
+    async with (
+        gateway(node, model_aliases=("tiny-latest", "tiny")) as base,
+        httpx.AsyncClient(base_url=base, timeout=60) as http,
+    ):
         assert [m["id"] for m in (await http.get("/models")).json()["data"]] == ["tiny", "tiny-latest"]
         reply = await http.post("/completions", json={"model": "tiny-latest", "prompt": PROMPT, "max_tokens": 2})
         assert reply.status_code == 200 and reply.json()["model"] == "tiny"  # answers name the served model
@@ -187,7 +196,7 @@ async def test_a_request_that_can_never_fit_is_400_naming_the_field(node: str) -
 async def test_kv_that_is_only_taken_for_now_stays_429(tiny_model: Path) -> None:
     proc = NodeProcess(tiny_model, f"tcp://127.0.0.1:{_free_port()}")
     with running(proc), trio.fail_after(60):
-        async with gateway(proc.address) as base, httpx.AsyncClient(base_url=base) as http:
+        async with gateway(proc.address) as base, httpx.AsyncClient(base_url=base, timeout=60) as http:
             async with open_client(proc.address) as holder:
                 await holder.open("held", 1000)
                 reply = await http.post("/completions", json={**TINY, "prompt": PROMPT, "max_tokens": 100})
@@ -238,7 +247,7 @@ def parrot_node(parrot: Path) -> Iterator[str]:
 
 async def test_the_plain_chat_form_stops_at_the_next_turn(parrot_node: str) -> None:
     messages = [{"role": "user", "content": "hi"}]
-    async with gateway(parrot_node) as base, httpx.AsyncClient(base_url=base) as http:
+    async with gateway(parrot_node) as base, httpx.AsyncClient(base_url=base, timeout=60) as http:
         # The same prompt as a completion: the model does write the next turn itself.
         raw = await http.post(
             "/completions", json={**TINY, "prompt": "user: hi\nassistant:", "max_tokens": 12, "temperature": 0}
