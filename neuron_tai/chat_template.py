@@ -16,9 +16,10 @@ the next turn's marker (a new line and a role) as stop strings.
 
 from __future__ import annotations
 
+import re
 import struct
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,30 @@ class ChatTemplateError(ValueError):
     """The template refused the messages (its own `raise_exception`) or failed to render."""
 
 
+_Trie = dict[str, "_Trie"]
+
+
+def _trie_pattern(names: Iterable[str]) -> str:
+    """A regular expression matching any of `names`, the longest at each place, as a trie of
+    nested groups: a place is tested against the next characters the names share, never
+    against each name in turn (a model may have thousands of control tokens beginning `<`)."""
+    trie: _Trie = {}
+    for name in names:
+        node = trie
+        for char in name:
+            node = node.setdefault(char, {})
+        node[""] = {}  # a name ends here
+
+    def group(node: _Trie) -> str:
+        branches = [re.escape(char) + group(child) for char, child in sorted(node.items()) if char]
+        if not branches:
+            return ""
+        alternatives = branches[0] if len(branches) == 1 else f"(?:{'|'.join(branches)})"
+        return f"(?:{alternatives})?" if "" in node else alternatives  # greedy: longer names first
+
+    return group(trie)
+
+
 @dataclass(frozen=True, slots=True)
 class SpecialTokens:
     """Text of the model's control tokens and their ids; `add_bos` as the model's tokenizer does."""
@@ -54,24 +79,23 @@ class SpecialTokens:
     eos: str
     bos_id: int | None
     add_bos: bool
+    _pattern: re.Pattern[str] | None = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        names = [n for n in self.ids if n]
+        object.__setattr__(self, "_pattern", re.compile(_trie_pattern(names)) if names else None)
 
     def split(self, text: str) -> list[str | int]:
         """`text` as plain pieces and special-token ids, the longest token text matched first."""
-        by_first: dict[str, list[str]] = {}
-        for name in sorted((n for n in self.ids if n), key=len, reverse=True):
-            by_first.setdefault(name[0], []).append(name)
+        if self._pattern is None:
+            return [text] if text else []
         out: list[str | int] = []
-        start = i = 0
-        while i < len(text):
-            hit = next((n for n in by_first.get(text[i], ()) if text.startswith(n, i)), None)
-            if hit is None:
-                i += 1
-                continue
-            if i > start:
-                out.append(text[start:i])
-            out.append(self.ids[hit])
-            i += len(hit)
-            start = i
+        start = 0
+        for match in self._pattern.finditer(text):
+            if match.start() > start:
+                out.append(text[start : match.start()])
+            out.append(self.ids[match.group()])
+            start = match.end()
         if start < len(text):
             out.append(text[start:])
         return out

@@ -19,6 +19,8 @@ import httpx
 import openai
 import pytest
 import trio
+from hypothesis import given
+from hypothesis import strategies as st
 from openai.types.chat import ChatCompletionMessageParam
 
 from neuron_tai.chat_template import FALLBACK_TEMPLATE, ChatTemplate, SpecialTokens, load_chat_template
@@ -112,6 +114,30 @@ def test_chat_template_renders_with_llama_cpp_globals_and_splits_special_tokens(
     text = ChatTemplate(source, specials).render([{"role": "user", "content": "hi <|end"}])
     assert text == "<s><|user|>hi <|end<|end|><|assistant|>"
     assert specials.split(text) == [1, 5, "hi <|end", 6, 7]
+
+
+def _split_one_place_at_a_time(ids: dict[str, int], text: str) -> list[str | int]:
+    """The reference: at each place, the longest name that starts there, else one character on."""
+    out: list[str | int] = []
+    start = i = 0
+    while i < len(text):
+        hit = max((n for n in ids if n and text.startswith(n, i)), key=len, default=None)
+        if hit is None:
+            i += 1
+            continue
+        out += [text[start:i]] if i > start else []
+        out.append(ids[hit])
+        i = start = i + len(hit)
+    return out + ([text[start:]] if start < len(text) else [])
+
+
+@given(
+    names=st.lists(st.text("<|>ab", min_size=1, max_size=5), max_size=8, unique=True),
+    text=st.text("<|>abc", max_size=40),
+)
+def test_special_tokens_split_at_the_longest_name_at_each_place(names: list[str], text: str) -> None:
+    ids = {name: i for i, name in enumerate(names)}
+    assert SpecialTokens(ids, "", "", None, True).split(text) == _split_one_place_at_a_time(ids, text)
 
 
 def test_chat_template_exceptions_are_reported() -> None:
