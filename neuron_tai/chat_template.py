@@ -130,6 +130,8 @@ class ChatTemplate:
             )
         except TemplateError as exc:
             raise ChatTemplateError(f"chat template: {exc}") from None
+        except Exception as exc:  # the messages' own values broke it (a `tool_calls` of 5 iterated)
+            raise ChatTemplateError(f"chat template: {type(exc).__name__}: {exc}") from None
 
     def turn_stops(self, messages: Sequence[dict[str, Any]]) -> tuple[str, ...]:
         """Text that starts another turn, for the plain fallback only (a model's own template ends

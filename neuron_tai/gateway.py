@@ -263,7 +263,7 @@ class Gateway:
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.prometheus, methods=["GET"]),
             ],
-            exception_handlers={404: http_error, 405: http_error},
+            exception_handlers={404: http_error, 405: http_error, Exception: http_error},
         )
 
     # -- endpoints -------------------------------------------------------------------------

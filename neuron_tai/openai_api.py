@@ -77,6 +77,12 @@ def parse_json(raw: bytes) -> dict[str, Any]:
         raise bad("the request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
+    try:  # JSON's \ud800-\udfff escapes decode to lone surrogates, which no UTF-8 text holds
+        json.dumps(body, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        raise bad("the request body holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape)") from None
+    except RecursionError:
+        raise bad("the request body is nested too deeply") from None
     return body
 
 

@@ -23,7 +23,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from openai.types.chat import ChatCompletionMessageParam
 
-from neuron_tai.chat_template import FALLBACK_TEMPLATE, ChatTemplate, SpecialTokens, load_chat_template
+from neuron_tai.chat_template import FALLBACK_TEMPLATE, NO_SPECIALS, ChatTemplate, SpecialTokens, load_chat_template
 from neuron_tai.client import Done, Generated, open_client
 from neuron_tai.config import NodeConfig
 from neuron_tai.gateway import GatewayConfig, serve_gateway
@@ -141,9 +141,13 @@ def test_special_tokens_split_at_the_longest_name_at_each_place(names: list[str]
 
 
 def test_chat_template_exceptions_are_reported() -> None:
-    template = ChatTemplate("{{ raise_exception('roles must alternate') }}", SpecialTokens({}, "", "", None, True))
+    template = ChatTemplate("{{ raise_exception('roles must alternate') }}", NO_SPECIALS)
     with pytest.raises(ValueError, match="roles must alternate"):
         template.render([{"role": "user", "content": "x"}])
+    source = "{% for m in messages %}{% for c in m.tool_calls %}{{ c }}{% endfor %}{% endfor %}"
+    loops = ChatTemplate(source, NO_SPECIALS)
+    with pytest.raises(ValueError, match="TypeError"):  # a message's own value breaks the template: 400
+        loops.render([{"role": "assistant", "content": "", "tool_calls": 5}])
 
 
 def test_a_model_without_a_template_gets_the_fallback(tiny_model: Path) -> None:
@@ -277,6 +281,9 @@ async def test_errors_are_openai_shaped_with_http_status(node: str) -> None:
             "/completions", json={"model": "tiny", "prompt": [1, 10**6]}
         )  # a token outside the vocabulary
         assert reply.status_code == 400
+        for raw in (rb'{"model": "\ud800", "prompt": "x"}', rb'{"model": "tiny", "prompt": "x\udfff"}'):
+            reply = await http.post("/completions", content=raw)  # lone surrogates: no UTF-8 text holds them
+            assert reply.status_code == 400 and "surrogate" in reply.json()["error"]["message"], reply.text
         assert (await http.get("/models")).json()["data"][0]["id"] == "tiny"
         for method, path, status in (("GET", "/nowhere", 404), ("GET", "/completions", 405)):
             reply = await http.request(method, path)
