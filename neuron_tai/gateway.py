@@ -42,7 +42,6 @@ from neuron_tai.gateway_errors import (
     http_error,
     never_fits,
     node_error,
-    prompt_over_step,
     unreachable,
 )
 from neuron_tai.gateway_text import GatewayText, NodeText, gateway_text
@@ -185,6 +184,7 @@ class NodeSession:
 
     id: str
     eog: set[int]
+    max_step_tokens: int  # the most tokens the node takes in one request
     finished: bool = False  # its generate has ended: nothing to cancel
     ended: bool = False
 
@@ -496,12 +496,17 @@ class Gateway:
             if exc.code in (ErrorCode.TOO_LARGE, ErrorCode.KV_BUDGET):
                 await self._refuse_if_never_fits(exc, prompt, params)
             raise
-        session = NodeSession(session_id, set(opened.stage.eog_tokens))
-        if len(prompt.ids) > opened.stage.max_step_tokens:
-            session.finished = True  # no generate ran: close, nothing to cancel
-            await self._end_session(session)
-            raise prompt_over_step(len(prompt.ids), opened.stage.max_step_tokens, prompt.param)
-        return session
+        return NodeSession(session_id, set(opened.stage.eog_tokens), opened.stage.max_step_tokens)
+
+    async def _prefill(self, opened: NodeSession, ids: list[int]) -> int:
+        """Steps of the prompt's head, each as long as the node takes, so that what is left fits
+        one `generate`; the position the `generate` starts at. A short prompt takes none."""
+        pos, most = 0, opened.max_step_tokens
+        while len(ids) - pos > most:
+            self.count_call("step")
+            await self.client.step(opened.id, pos, tokens=ids[pos : pos + most])  # its token is not used
+            pos += most
+        return pos
 
     async def _refuse_if_never_fits(self, exc: NodeError, prompt: Prompt, params: GenerationParams) -> None:
         """`too_large` never fits; `kv_budget` never does either when the node's cells are fewer than the
@@ -523,9 +528,10 @@ class Gateway:
         made = 0  # tokens generated, counted in `usage`
         reason = "length"
         try:
+            start = await self._prefill(opened, prompt.ids)
             self.count_call("generate")
             replies = self.client.generate_tokens(
-                opened.id, 0, prompt.ids, params.max_tokens, ignore_eog=params.ignore_eos
+                opened.id, start, prompt.ids[start:], params.max_tokens, ignore_eog=params.ignore_eos
             )
             async with aclosing(replies):
                 async for reply in replies:

@@ -53,11 +53,6 @@ def never_fits(n_prompt: int, max_tokens: int, cells: int | None, prompt_param: 
     return ApiError(400, message, param="max_tokens", code=TOO_LONG)
 
 
-def prompt_over_step(n_prompt: int, limit: int, prompt_param: str) -> ApiError:
-    message = f"the {prompt_param} has {n_prompt} tokens; the node takes at most {limit} in one request"
-    return ApiError(400, message, param=prompt_param, code=TOO_LONG)
-
-
 def error_response(err: ApiError) -> JSONResponse:
     headers = {"Retry-After": str(err.retry_after_s)} if err.retry_after_s is not None else None
     return JSONResponse(err.body(), status_code=err.status, headers=headers)

@@ -26,7 +26,7 @@ from neuron_tai.client import Client, open_client
 from neuron_tai.text_stream import CONTEXT, WINDOW
 from testkit.models import vocabulary, write_tiny_model
 from tests.nodes import NodeProcess, running
-from tests.test_gateway import PROMPT, _free_port, gateway, node_text
+from tests.test_gateway import PROMPT, _free_port, _node_calls, gateway, node_text
 
 TINY = {"model": "tiny"}
 
@@ -179,7 +179,6 @@ async def test_a_request_that_can_never_fit_is_400_naming_the_field(node: str) -
             ("/completions", {"prompt": PROMPT, "max_tokens": 5000}, "max_tokens"),
             ("/completions", {"prompt": "hello world " * 16_667, "max_tokens": 16}, "prompt"),  # 200,000 characters
             ("/chat/completions", {"messages": [{"role": "user", "content": "hi " * 70_000}]}, "messages"),
-            ("/completions", {"prompt": "x" * 600, "max_tokens": 16}, "prompt"),  # fits the KV, not one request
         ]
         for path, body, param in cases:
             for stream in (False, True):
@@ -191,6 +190,25 @@ async def test_a_request_that_can_never_fit_is_400_naming_the_field(node: str) -
                 assert "Retry-After" not in reply.headers
         ok = await http.post("/completions", json={**TINY, "prompt": PROMPT, "max_tokens": 4})
         assert ok.status_code == 200  # nothing was left behind
+
+
+async def test_a_prompt_longer_than_one_request_goes_in_steps(node: str, tiny_model: Path) -> None:
+    """The node takes 512 tokens per request: the gateway sends the prompt's head in steps of that
+    many, then `generate`s from there, and answers what a node taking it all at once answers."""
+    wide = NodeProcess(tiny_model, f"tcp://127.0.0.1:{_free_port()}", ["--max-step-tokens", "1024"])
+    body = {**TINY, "prompt": "x" * 600, "max_tokens": 8, "ignore_eos": True}
+    answers, steps = [], []
+    with running(wide):
+        for address in (node, wide.address):
+            async with gateway(address) as base, httpx.AsyncClient(base_url=base, timeout=60) as http:
+                for sampling in ({"temperature": 0}, {"temperature": 1, "seed": 5}):
+                    reply = await http.post("/completions", json={**body, **sampling})
+                    assert reply.status_code == 200, reply.text
+                    answers.append((reply.json()["choices"][0]["text"], reply.json()["usage"]))
+                metrics = (await http.get(base.removesuffix("/v1") + "/metrics")).text
+                steps.append(_node_calls(metrics).get("step", 0))
+    assert answers[:2] == answers[2:] and answers[0][1]["prompt_tokens"] > 512
+    assert steps == [2, 0]
 
 
 async def test_kv_that_is_only_taken_for_now_stays_429(tiny_model: Path) -> None:
