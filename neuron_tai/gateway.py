@@ -154,6 +154,13 @@ class GatewayConfig:
         default=True, metadata={"help": "log one line per HTTP request (method, path, status, tokens, time)"}
     )
 
+    def __post_init__(self) -> None:
+        if self.open_wait_ms and self.open_wait_ms >= self.timeout_s * 1000:  # admitted after the gateway gave up
+            raise ValueError(
+                f"--open-wait-ms ({self.open_wait_ms}) must be under --timeout ({self.timeout_s:g} s): an open "
+                "still waiting in the node's queue when the gateway stops waiting would be admitted for nobody"
+            )
+
     @property
     def model_names(self) -> tuple[str, ...]:
         """Every id a request may name: the served name first, then the aliases."""

@@ -63,9 +63,10 @@ class GenerationParams:
     stream: bool
     include_usage: bool
     ignore_eos: bool = False  # llama-server's extension: end-of-generation tokens do not end the run
+    top_k: int = 0  # llama-server's and vLLM's extension: sample from the k likeliest tokens (0: all)
 
     def sampling(self) -> dict[str, Any]:
-        return {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed}
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed}
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -158,7 +159,11 @@ UNHONOURED = (
     "logit_bias",
     "presence_penalty",
     "frequency_penalty",
+    "min_p",
+    "repeat_penalty",
+    "repetition_penalty",
 )
+_NEUTRAL_AT_ONE = ("repeat_penalty", "repetition_penalty")  # a factor: 1 changes nothing
 
 
 def refuse_unhonoured(body: dict[str, Any]) -> None:
@@ -172,10 +177,12 @@ def refuse_unhonoured(body: dict[str, Any]) -> None:
 
 
 def _neutral(key: str, value: Any) -> bool:
-    """What clients send for a field they leave unset: null, false, 0, empty; "none" for a tool choice."""
+    """What clients send for a field they leave unset: null, false, 0 (1 for a penalty factor), empty;
+    "none" for a tool choice."""
     if value is None or value is False or value in ([], {}, ""):
         return True
-    if isinstance(value, int | float) and not isinstance(value, bool) and value == 0:
+    unchanged = 1 if key in _NEUTRAL_AT_ONE else 0
+    if isinstance(value, int | float) and not isinstance(value, bool) and value == unchanged:
         return True
     return key in ("tool_choice", "function_call") and value == "none"
 
@@ -205,6 +212,7 @@ def generation_params(body: dict[str, Any], *, chat: bool) -> GenerationParams:
         stream=stream,
         include_usage=bool(options.get("include_usage", False)),
         ignore_eos=_flag(body, "ignore_eos"),
+        top_k=max(0, _int(body, "top_k", 0, -1) or 0),  # vLLM's -1 is all, as 0 is
     )
 
 

@@ -140,6 +140,12 @@ def test_special_tokens_split_at_the_longest_name_at_each_place(names: list[str]
     assert SpecialTokens(ids, "", "", None, True).split(text) == _split_one_place_at_a_time(ids, text)
 
 
+def test_an_open_may_not_wait_at_the_node_longer_than_the_gateway_waits_for_it() -> None:
+    GatewayConfig("tcp://127.0.0.1:1", open_wait_ms=59_000, timeout_s=60)
+    with pytest.raises(ValueError, match="--open-wait-ms"):  # admitted after the gateway gave up: for nobody
+        GatewayConfig("tcp://127.0.0.1:1", open_wait_ms=60_000, timeout_s=60)
+
+
 def test_chat_template_exceptions_are_reported() -> None:
     template = ChatTemplate("{{ raise_exception('roles must alternate') }}", NO_SPECIALS)
     with pytest.raises(ValueError, match="roles must alternate"):
@@ -304,14 +310,22 @@ async def test_fields_the_gateway_cannot_honour_are_refused_and_their_defaults_a
             ("logit_bias", {"5": 100}),
             ("presence_penalty", 0.5),
             ("response_format", {"type": "json_object"}),
+            ("min_p", 0.05),
+            ("repeat_penalty", 1.1),
+            ("top_k", -2),
         ]
         for key, value in refused:
             reply = await http.post("/completions", json={**base_body, key: value})
             assert reply.status_code == 400 and reply.json()["error"]["param"] == key, (key, reply.text)
         neutral: dict[str, Any] = {"tools": [], "logprobs": None, "echo": False, "frequency_penalty": 0.0}
-        neutral |= {"stream": None, "response_format": {"type": "text"}}
+        neutral |= {"stream": None, "response_format": {"type": "text"}, "repetition_penalty": 1.0, "min_p": 0}
         reply = await http.post("/completions", json={**base_body, **neutral})
         assert reply.status_code == 200, reply.text
+        answers = set()
+        for sampling in ({"temperature": 0}, *({"temperature": 2, "top_k": 1, "seed": s} for s in range(3))):
+            reply = await http.post("/completions", json={**base_body, "max_tokens": 8, **sampling})
+            answers.add(reply.json()["choices"][0]["text"])
+        assert len(answers) == 1  # `top_k` reaches the node: the likeliest token alone is greedy
         too_big: list[tuple[str, Any]] = [("prompt", [1, 2**40]), ("max_tokens", 2**64), ("seed", 2**70)]
         for key, value in too_big:
             reply = await http.post("/completions", json={**base_body, key: value})
