@@ -124,6 +124,7 @@ class Segment:
     tokens: npt.NDArray[np.int32] | None = None
     hidden: npt.NDArray[np.float32] | None = None
     output: Output = Output.NONE
+    continues: bool = False  # a later part of the same step: undoing the step may reach its earlier parts
 
     @property
     def n(self) -> int:
@@ -390,7 +391,7 @@ class StageBackend:
             self._capture.reset()
         if self.pins is not None:
             for s in segments:
-                self.pins.before(s.seq, s.pos, s.n)
+                self.pins.before(s.seq, s.pos, s.n, continues=s.continues)
         started = time.perf_counter()
         rc = self.ctx.decode(self._batch.view())
         self.decode_seconds += time.perf_counter() - started

@@ -166,7 +166,7 @@ class Executor:
             out = req.out if chunk.completes or req.out in _EVERY_ROW else Output.NONE
             tokens = None if req.tokens is None else req.tokens[rows]
             hidden = None if req.hidden is None else req.hidden[rows]
-            segments.append(Segment(chunk.seq, chunk.pos, tokens, hidden, out))
+            segments.append(Segment(chunk.seq, chunk.pos, tokens, hidden, out, continues=chunk.offset > 0))
         if call.pad_rows and self.pad_seq is not None:
             segments.append(self._padding(call.pad_rows))
         return segments

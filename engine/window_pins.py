@@ -48,10 +48,12 @@ class WindowPins:
         self.window = window
         self.pinned: set[int] = set()
 
-    def before(self, seq: int, pos: int, n: int) -> None:
+    def before(self, seq: int, pos: int, n: int, *, continues: bool = False) -> None:
         """A step of `n` rows at `pos` is about to run: the previous step's pin goes, this step's
-        cells that exist already are pinned (a later micro-batch of the same call could take them)."""
-        self.release(seq)
+        cells that exist already are pinned (a later micro-batch of the same call could take them).
+        A later part of a step split over calls (`continues`) adds to the pin of its earlier parts."""
+        if not continues:
+            self.release(seq)
         span = pin_range(pos, n, self.window)
         if span is not None:
             self.memory.seq_cp(seq, self.base + seq, span[0], min(span[1], pos))

@@ -82,6 +82,27 @@ def test_a_multi_row_step_can_be_undone_after_other_sequences_took_the_window_ce
     np.testing.assert_allclose(after_undo, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_a_step_split_over_two_calls_can_be_undone_into_its_first_part(
+    tiny_gemma: Path, open_backend: OpenBackend
+) -> None:
+    """A verification the scheduler cut in two (a prefill budget, batch-invariant chunk bounds): its
+    second part keeps the first part's pin, so going back into the first part still works."""
+    backend = open_backend(tiny_gemma, CONFIG)
+    a = backend.open_sequence()
+    fill(backend, a, TOKENS[:300])
+    backend.decode([Segment(a, 300, tokens=TOKENS[300:302])])
+    backend.decode([Segment(a, 302, tokens=TOKENS[302:306], continues=True)])
+    fill(backend, backend.open_sequence(), OTHER)
+    backend.rewind(a, 301)
+    after_undo = backend.decode([Segment(a, 301, tokens=TOKENS[301:302], output=Output.LOGITS)])[0].logits
+    reference = open_backend(tiny_gemma, CONFIG)
+    seq = reference.open_sequence()
+    fill(reference, seq, TOKENS[:301])
+    expected = reference.decode([Segment(seq, 301, tokens=TOKENS[301:302], output=Output.LOGITS)])[0].logits
+    assert after_undo is not None and expected is not None
+    np.testing.assert_allclose(after_undo, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_pins_go_with_their_step_so_they_never_accumulate(tiny_gemma: Path, open_backend: OpenBackend) -> None:
     backend = open_backend(tiny_gemma, CONFIG)
     assert backend.pins is not None
