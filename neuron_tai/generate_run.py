@@ -48,8 +48,10 @@ class _Progress:
     busy_since: float | None = None  # when the passes began to be answered `busy` in a row
 
 
-# How long a run waits out `busy` passes in a row before it fails with it.
+# How long a run waits out `busy` passes in a row before it fails with it, and the longest
+# single wait, whatever `retry_after_ms` a stage below says (it may be anyone's number).
 BUSY_PATIENCE_S = 30.0
+BUSY_RETRY_MAX_S = 1.0
 
 
 class Generations:
@@ -129,11 +131,12 @@ class Generations:
         if run.then_close is not None:  # its `done` is out: now the close it was stopped for
             run.then_close()
 
-    async def _waits_out(self, outcome: object, progress: _Progress) -> bool:
+    async def _waits_out(self, outcome: object, progress: _Progress, cancel: trio.Event) -> bool:
         """Whether a `busy` mid-run was waited out, to try the pass again. A full queue is this
         node's own congestion (or a stage's below): the run waits its turn (a one-token step
         always fits again) instead of failing the client's generation, for up to
-        `BUSY_PATIENCE_S` in a row; a stage busy for longer fails the run with it."""
+        `BUSY_PATIENCE_S` in a row; a stage busy for longer fails the run with it. A wait is at
+        most `BUSY_RETRY_MAX_S` whatever `retry_after_ms` says, and a `cancel` ends it."""
         if not (isinstance(outcome, Fault) and outcome.code is ErrorCode.BUSY and progress.produced):
             progress.busy_since = None
             return False
@@ -141,7 +144,8 @@ class Generations:
         progress.busy_since = now if progress.busy_since is None else progress.busy_since
         if now - progress.busy_since >= BUSY_PATIENCE_S:
             return False
-        await trio.sleep(max(outcome.retry_after_ms or 0, 1) / 1000)
+        with trio.move_on_after(min(max(outcome.retry_after_ms or 0, 1) / 1000, BUSY_RETRY_MAX_S)):
+            await cancel.wait()
         return True
 
     async def _run(self, peer: bytes, req: wire.Generate, run: Generation, hold: Held) -> None:
@@ -157,7 +161,7 @@ class Generations:
                 break
             drafts = self._drafts(drafter, progress, rule)
             outcome = await self.steps.run(peer, _pass(req, progress, drafts))
-            if await self._waits_out(outcome, progress):
+            if await self._waits_out(outcome, progress, run.cancel):
                 continue
             if isinstance(outcome, Fault):
                 await self._failed(peer, req, run, progress, outcome)

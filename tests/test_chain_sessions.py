@@ -292,6 +292,27 @@ async def test_a_run_a_stage_below_keeps_answering_busy_fails_with_it(
     assert (last["op"], last["code"], last["rid"], last["session"], last["length"]) == ("error", "busy", 2, "s", 3)
 
 
+async def test_a_cancel_ends_a_run_that_waits_out_busy(tiny_shards2: list[Path]) -> None:
+    """A stage below asks for an hour's patience: `cancel` still ends the run before its next
+    token, with `done` ("cancelled") and then `cancelled`."""
+    async with head_over_hand(tiny_shards2[0]) as (head, _, below):
+        raw = RawPeer(head.address)
+        try:
+            await generating_over(raw, below)
+            below.token(await below.expect("step"), 7)
+            assert (await raw.recv())[0]["op"] == "generated"
+            peer, req = await below.expect("step")
+            below.send(peer, {"op": "error", "rid": req["rid"], "code": "busy", "message": "full",
+                              "retry_after_ms": 3_600_000})  # fmt: skip
+            raw.send({"op": "cancel", "rid": 3, "session": "s"})
+            with trio.fail_after(30):  # a guard: the run used to sleep the hour out
+                replies = [(await raw.recv())[0] for _ in range(2)]
+        finally:
+            raw.close()
+    assert [(r["op"], r["rid"]) for r in replies] == [("done", 2), ("cancelled", 3)]
+    assert (replies[0]["reason"], replies[0]["length"], replies[1]["length"]) == ("cancelled", 3, 3)  # 7 not in KV
+
+
 async def test_a_step_the_drain_did_not_finish_is_answered_shutting_down(tiny_shards2: list[Path]) -> None:
     """A head stopping while the stage below holds a step: when the drain time is up, the step is
     answered `shutting_down` before the node's socket closes, not left to the client's timeout."""
