@@ -223,7 +223,7 @@ class Node:
             request = wire.decode_request(body, self.stage.n_embd, self.limits, self.config.max_text_tokens)
             self._dispatch(peer, request)
         except wire.WireError as exc:
-            self.outbox.error(peer, exc.rid, Fault(exc.code, exc.message))
+            self.outbox.error(peer, exc.rid, Fault(exc.code, exc.message), exc.session)
         except Exception as exc:  # a bug must cost one request, never the node
             log.exception("request %r failed", type(request).__name__)
             rid = None if request is None else request.rid

@@ -22,6 +22,8 @@ from transport import wire
 
 Key = tuple[bytes, str]
 
+MAX_REPEATED_CLOSES = 16  # closes of one session that wait for its close; more are answered at once
+
 
 class SessionDesk:
     def __init__(
@@ -40,7 +42,9 @@ class SessionDesk:
         self.forwarder = forwarder
         self.lease_ms = lease_ms
         self.stage = stage  # what this stage serves, its shard's fingerprint included
-        self.closing: dict[Key, int] = {}  # sessions whose close is under way: the close's rid
+        # Sessions whose close is under way: the rids of the closes that wait for it, the first
+        # the one that closes it (a repeat is answered with it: after a run's `done`, never before).
+        self.closing: dict[Key, list[int]] = {}
 
     async def open(self, peer: bytes, req: wire.Open) -> None:
         request = OpenRequest(peer, req.session, req.max_tokens, req.sampling, req.wait_ms)
@@ -65,10 +69,14 @@ class SessionDesk:
     def close(self, peer: bytes, req: wire.Close) -> None:
         key = (peer, req.session)
         run = self.generations.runs.get(key)
-        if key in self.closing or (run is None and self.engine.max_tokens_of(peer, req.session) is None):
+        waiting = self.closing.get(key)
+        if waiting is not None and len(waiting) < MAX_REPEATED_CLOSES:
+            waiting.append(req.rid)
+            return
+        if waiting is not None or (run is None and self.engine.max_tokens_of(peer, req.session) is None):
             self._closed(peer, req.rid, req.session, existed=False)
             return
-        self.closing[key] = req.rid
+        self.closing[key] = [req.rid]
         if run is None:
             self._close_in_engine(key)
         else:
@@ -81,9 +89,9 @@ class SessionDesk:
     def answered(self, key: Key, existed: bool) -> None:
         """The engine ran a close of this session: answer the `close` that waits for it, if any.
         Its `SessionEnded` came first, so its close on the next stage is queued by then."""
-        rid = self.closing.pop(key, None)
-        if rid is not None:
-            self._closed(key[0], rid, key[1], existed)
+        rids = self.closing.pop(key, [])
+        for i, rid in enumerate(rids):
+            self._closed(key[0], rid, key[1], existed and i == 0)  # one close closed it
 
     def _closed(self, peer: bytes, rid: int, session: str, existed: bool) -> None:
         self.outbox.send(peer, wire.encode_reply(wire.Closed(rid, session, existed)))

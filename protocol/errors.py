@@ -52,16 +52,23 @@ class Fault(Exception):
     reply at the edge. `rid` is set only where the wire decided it (the request id it read);
     `retry_after_ms` only for retryable codes."""
 
-    __slots__ = ("code", "message", "retry_after_ms", "rid")
+    __slots__ = ("code", "message", "retry_after_ms", "rid", "session")
 
     def __init__(
-        self, code: ErrorCode, message: str, retry_after_ms: int | None = None, *, rid: int | None = None
+        self,
+        code: ErrorCode,
+        message: str,
+        retry_after_ms: int | None = None,
+        *,
+        rid: int | None = None,
+        session: str | None = None,
     ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.retry_after_ms = retry_after_ms if code.retryable else None
         self.rid = rid
+        self.session = session  # where the wire read it, for a `generate`: all its replies carry it
 
     def __repr__(self) -> str:
         return f"Fault({self.code!s}, {self.message!r}, retry_after_ms={self.retry_after_ms})"

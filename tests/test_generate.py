@@ -256,11 +256,14 @@ async def test_close_during_a_run_answers_done_before_closed(tiny_model: Path) -
         async with generating(node, stream=False) as (peer, release):
             peer.send({"op": "close", "rid": 3, "session": "s"})
             await wait_until(lambda: stop_asked(node))
+            peer.send({"op": "close", "rid": 4, "session": "s"})  # a repeat waits for the first
+            await wait_until(lambda: [3, 4] in node.sessions.closing.values())
             release.set()
-            (done, payload), (closed, _) = [await peer.recv() for _ in range(2)]
+            (done, payload), (closed, _), (again, _) = [await peer.recv() for _ in range(3)]
         assert done["op"] == "done" and done["reason"] == "cancelled" and done["generated"] == 1
         assert len(payload) == 1 and len(np.frombuffer(payload[0], "<i4")) == 1
-        assert closed["op"] == "closed" and closed["existed"] is True
+        assert (closed["op"], closed["rid"], closed["existed"]) == ("closed", 3, True)
+        assert (again["op"], again["rid"], again["existed"]) == ("closed", 4, False)  # one close closed it
         assert (await c.stats())["sessions_active"] == 0
 
 
@@ -455,7 +458,7 @@ async def test_generate_errors(tiny_model: Path, tiny_shards2: list[Path]) -> No
             for bad in ({"max_new": 0}, {"max_new": 2, "stop": [1.5]}, {"max_new": 2, "stream": 1}, {}):
                 peer.send({"op": "generate", "rid": 5, "session": "s", "pos": 0, "n": 8, **bad}, int32(IDS))
                 reply = (await peer.recv())[0]
-                assert reply["op"] == "error" and reply["code"] == "bad_request" and reply["rid"] == 5, reply
+                assert (reply["op"], reply["code"], reply["rid"], reply["session"]) == ("error", "bad_request", 5, "s")
         finally:
             peer.close()
         assert (await generate(c, "s", 0, IDS, 2, ignore_eog=True)).generated == 2  # nothing was harmed

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection
+from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -240,7 +241,12 @@ def decode_request(
     if op == "step":
         return _step(header, payload, rid, n_embd, outs)
     if op == "generate":
-        return _generate(header, payload, rid)
+        try:
+            return _generate(header, payload, rid)
+        except Fault as fault:  # every reply of a generate carries its session, a refusal's too
+            with suppress(Fault):
+                fault.session = _session(header, rid)
+            raise
     raise Fault(ErrorCode.BAD_REQUEST, f"unknown op {show(op)}", rid=rid)
 
 
