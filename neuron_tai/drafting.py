@@ -64,21 +64,24 @@ class PromptLookup:
 
     max_ngram: int = 3
     min_ngram: int = 1
+    window: int = 8192  # the history's last tokens looked at: a pass's cost is bounded, not O(session)
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise ValueError(f"need 1 <= min_ngram ({self.min_ngram}) <= max_ngram ({self.max_ngram})")
+        if self.window < 2:
+            raise ValueError(f"need window ({self.window}) >= 2")
 
     def propose(self, history: Sequence[int] | npt.NDArray[np.int32], k: int) -> list[int]:
         """Up to `k` tokens guessed to follow `history`; [] when its tail occurs nowhere before.
 
-        The longest n-gram that matches wins; among its matches the latest. A continuation
-        that runs into the tail goes on copying what it proposed (a repeat with a period
-        shorter than `k` is proposed in full).
+        The longest n-gram that matches wins; among its matches the latest, within the last
+        `window` tokens. A continuation that runs into the tail goes on copying what it
+        proposed (a repeat with a period shorter than `k` is proposed in full).
         """
         if k <= 0 or len(history) < 2:
             return []  # before the copy: a paused session's pass costs nothing here
-        tokens = np.asarray(history, dtype=np.int64)
+        tokens = np.asarray(history[-self.window :], dtype=np.int64)
         size = len(tokens)
         for n in range(min(self.max_ngram, size - 1), self.min_ngram - 1, -1):
             start = _last_earlier_match(tokens, n)

@@ -47,6 +47,16 @@ def test_a_periodic_history_is_continued_exactly(period: list[int], repeats: int
     assert PromptLookup().propose(history, k) == expected
 
 
+@given(histories, st.integers(2, 12), st.integers(1, 8))
+def test_a_lookup_reads_only_its_window_of_the_history(history: list[int], window: int, k: int) -> None:
+    """What a long session's pass costs is bounded: only the last `window` tokens are searched."""
+    proposal = PromptLookup(window=window).propose(history, k)
+    recent = history[-window:]
+    assert proposal == PromptLookup(window=len(history) + 2).propose(recent, k)
+    if proposal:
+        assert is_a_copy(recent, proposal, PromptLookup())
+
+
 def test_the_longest_matching_ngram_wins_over_a_later_shorter_one() -> None:
     # "1 2 3" occurs at 0 followed by 9; "3" alone occurs later followed by 7.
     history = [1, 2, 3, 9, 5, 3, 7, 1, 2, 3]
@@ -57,6 +67,8 @@ def test_the_longest_matching_ngram_wins_over_a_later_shorter_one() -> None:
 def test_lookup_sizes_are_checked() -> None:
     with pytest.raises(ValueError):
         PromptLookup(max_ngram=1, min_ngram=2)
+    with pytest.raises(ValueError):
+        PromptLookup(window=1)
     with pytest.raises(ValueError):
         DraftPolicy(max_draft=-1)
 
