@@ -16,6 +16,7 @@ the next turn's marker (a new line and a role) as stop strings.
 
 from __future__ import annotations
 
+import functools
 import re
 import struct
 from collections.abc import Iterable, Sequence
@@ -24,6 +25,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from jinja2 import Template
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -101,6 +103,12 @@ class SpecialTokens:
         return out
 
 
+@functools.lru_cache(maxsize=8)
+def _compiled(source: str) -> Template:
+    """A template compiled once, not per request: compiling is most of a short render's time."""
+    return ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(source)
+
+
 NO_SPECIALS = SpecialTokens({}, "", "", None, add_bos=True)
 
 
@@ -110,8 +118,6 @@ class ChatTemplate:
     specials: SpecialTokens
 
     def render(self, messages: Sequence[dict[str, Any]]) -> str:
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-
         def raise_exception(message: str) -> None:
             raise ChatTemplateError(message)
 
@@ -119,8 +125,7 @@ class ChatTemplate:
             return datetime.now().strftime(fmt)
 
         try:
-            template = env.from_string(self.source)
-            return template.render(
+            return _compiled(self.source).render(
                 messages=list(messages),
                 bos_token=self.specials.bos,
                 eos_token=self.specials.eos,

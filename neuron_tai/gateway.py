@@ -20,6 +20,7 @@ import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing, suppress
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -32,7 +33,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
-from starlette.types import Send
+from starlette.types import Message, Send
 
 from neuron_tai.access_log import ACCESS_LOG, Access, AccessLog, access_of
 from neuron_tai.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
@@ -199,18 +200,30 @@ class NodeSession:
 class EventStream(StreamingResponse):
     """A streaming response that always closes its body and then runs `on_close`, so a generation's
     cleanup runs at once when the HTTP client goes away (even before the body was started), not
-    whenever the iterator is collected."""
+    whenever the iterator is collected. A client that takes nothing for `send_timeout_s` (its
+    socket full, its reader stopped) is taken as gone: the stream ends and its session with it,
+    instead of holding the node's KV and a request slot for as long as the client stays."""
 
-    def __init__(self, content: AsyncGenerator[bytes, None], on_close: Callable[[], Awaitable[None]]) -> None:
+    def __init__(
+        self, content: AsyncGenerator[bytes, None], on_close: Callable[[], Awaitable[None]], send_timeout_s: float
+    ) -> None:
         super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         self.on_close = on_close
+        self.send_timeout_s = send_timeout_s
 
     async def stream_response(self, send: Send) -> None:
         body = self.body_iterator
         assert isinstance(body, AsyncGenerator)
+
+        async def bounded(message: Message) -> None:
+            with trio.fail_after(self.send_timeout_s):
+                await send(message)
+
         try:
             async with aclosing(body):
-                await super().stream_response(send)
+                await super().stream_response(bounded)
+        except trio.TooSlowError:
+            log.warning("a stream's client took nothing for %g s: the stream ends", self.send_timeout_s)
         finally:
             await self.on_close()
 
@@ -249,6 +262,25 @@ def link_down(stats: dict[str, Any]) -> bool:
     """Whether a chain's head reports its next stage disconnected (a whole-model node has none)."""
     link = stats.get("downstream")
     return isinstance(link, dict) and not link.get("connected", False)
+
+
+async def _unless_gone(request: Request, work: Callable[[], Awaitable[T]]) -> T:
+    """What `work` returns; if the HTTP client leaves first, `work` is cancelled (a generation
+    stops, its session is closed) and this is a 499 that nobody reads."""
+    outcome: list[T] = []
+    failure: Exception | None = None
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(cancel_when_gone, request, nursery.cancel_scope)
+        try:
+            outcome.append(await work())
+        except Exception as exc:  # raised as itself below, not as a group out of the nursery
+            failure = exc
+        nursery.cancel_scope.cancel()
+    if failure is not None:
+        raise failure
+    if not outcome:  # cancelled: the client is gone
+        raise ApiError(499, "the client went away before the answer", code="client_closed")
+    return outcome[0]
 
 
 class Gateway:
@@ -348,11 +380,11 @@ class Gateway:
             opened = await self._open(prompt, params)
             pieces = self._generate(opened, prompt, params, access)
             if not params.stream:
-                return await self._full_unless_gone(request, pieces, shape)
+                return await _unless_gone(request, partial(self._full, pieces, shape))
 
             # The first piece before the 200: a generate the node refuses is this response's status
             # (429 for `busy`, with Retry-After), not an error event after a 200.
-            first = await anext(pieces)
+            first = await _unless_gone(request, partial(anext, pieces))
 
             async def on_close() -> None:
                 try:
@@ -363,7 +395,8 @@ class Gateway:
                 self.metrics.latency.labels(request.url.path).observe(time.perf_counter() - start)
 
             streaming = True
-            return EventStream(self._events(after(first, pieces), shape, params, start), on_close)
+            events = self._events(after(first, pieces), shape, params, start)
+            return EventStream(events, on_close, self.config.timeout_s)
         except NodeError as exc:
             raise node_error(exc) from None
         except (TimeoutError, ClientClosed) as exc:
@@ -396,24 +429,6 @@ class Gateway:
                 self.metrics.in_flight.dec()
 
         return release
-
-    async def _full_unless_gone(
-        self, request: Request, pieces: AsyncGenerator[str | Finish, None], shape: Shape
-    ) -> Response:
-        """The whole answer; if the client leaves first, the generation stops (and nothing is sent)."""
-        outcome: Response | Exception | None = None
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(cancel_when_gone, request, nursery.cancel_scope)
-            try:
-                outcome = await self._full(pieces, shape)
-            except Exception as exc:  # raised as itself below, not as a group out of the nursery
-                outcome = exc
-            nursery.cancel_scope.cancel()
-        if isinstance(outcome, Exception):
-            raise outcome
-        if outcome is None:  # cancelled: the client is gone
-            raise ApiError(499, "the client went away before the answer", code="client_closed")
-        return outcome
 
     async def _full(self, pieces: AsyncGenerator[str | Finish, None], shape: Shape) -> Response:
         text: list[str] = []

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import socket
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, MutableMapping
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
@@ -26,7 +26,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from neuron_tai.chat_template import FALLBACK_TEMPLATE, NO_SPECIALS, ChatTemplate, SpecialTokens, load_chat_template
 from neuron_tai.client import Done, Generated, open_client
 from neuron_tai.config import NodeConfig
-from neuron_tai.gateway import GatewayConfig, serve_gateway
+from neuron_tai.gateway import EventStream, GatewayConfig, serve_gateway
 from neuron_tai.node import open_node
 from neuron_tai.stop_text import StopText
 from tests.held import held_decodes, wait_until
@@ -357,12 +357,14 @@ async def test_bodies_too_big_too_slow_or_too_deep_are_refused_and_the_gateway_g
         assert (await http.post("/completions", content=small)).status_code == 200
 
 
-async def test_a_client_that_leaves_before_a_whole_answer_stops_its_generation(tiny_model: Path) -> None:
-    """The node's decodes are held while the client leaves: the gateway cancels the run at once,
-    instead of letting it run to `max_tokens` for nobody."""
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_client_that_leaves_before_its_first_text_stops_its_generation(tiny_model: Path, stream: bool) -> None:
+    """The node's decodes are held while the client leaves (a stream's before its headers, which
+    wait for the first text): the gateway cancels the run at once, instead of letting it run to
+    `max_tokens` for nobody."""
     cfg = NodeConfig(engine_config(tiny_model), bind="tcp://127.0.0.1:0")
     async with open_node(cfg) as node, gateway(node.address) as base:
-        body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 300, "ignore_eos": True}
+        body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 300, "ignore_eos": True, "stream": stream}
         with held_decodes(node.engine) as (entered, release):
             async with trio.open_nursery() as nursery, httpx.AsyncClient(base_url=base, timeout=30) as http:
                 nursery.start_soon(partial(http.post, "/completions", json=body))
@@ -371,6 +373,27 @@ async def test_a_client_that_leaves_before_a_whole_answer_stops_its_generation(t
             await wait_until(lambda: stop_asked(node))
             release.set()
         await wait_until(lambda: not node.generations.runs and not node.engine.scheduler.sessions)
+
+
+async def test_a_stream_whose_client_takes_nothing_ends_and_runs_its_cleanup() -> None:
+    """A reader that stopped reading (its socket full) is taken as gone after the send timeout:
+    the stream ends and its cleanup (cancel and close on the node) runs."""
+    cleaned = trio.Event()
+
+    async def events() -> AsyncGenerator[bytes, None]:
+        while True:
+            yield b'data: {"choices": []}\n\n'
+
+    async def on_close() -> None:
+        cleaned.set()
+
+    async def full_socket(message: MutableMapping[str, Any]) -> None:
+        if message["type"] == "http.response.body":
+            await trio.sleep_forever()
+
+    with trio.fail_after(30):  # a guard: without the timeout the send waits for ever
+        await EventStream(events(), on_close, send_timeout_s=0.05).stream_response(full_socket)
+    assert cleaned.is_set()
 
 
 async def test_a_full_node_is_429_with_retry_after(tiny_model: Path) -> None:
