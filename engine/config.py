@@ -25,8 +25,8 @@ _BUDGET = "refuse to start if the {} take more bytes than this"
 # (`--part-rows`), so each part is one micro-batch either way. On the 1B shape's 11:16, 128 rows
 # held 57 MiB less than 512 and 64 rows 9.6 MiB less again; whole 512-row prefill calls took
 # -1% to +7% longer at 64 than 128, within the host's noise (evidence/tail-ubatch/,
-# evidence/tail-memory/). Elsewhere (a whole
-# model, a head, a middle stage) the node computes as llama-server does.
+# evidence/tail-memory/). Elsewhere (a whole model, a head, a middle stage) the node computes
+# as llama-server does.
 N_UBATCH = 512
 TAIL_N_UBATCH = 64
 

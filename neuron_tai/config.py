@@ -138,7 +138,7 @@ class NodeConfig:
     lease_s: float = field(
         default=15.0,
         metadata={
-            "help": "free the sessions of a connection silent this long (s; clients ping every lease/3)",
+            "help": "free the sessions of a connection silent this long (s; clients ping every quarter of it)",
             "flag": "lease",
             "group": "limits",
             "min": 0,
