@@ -22,7 +22,7 @@ from transport import wire
 
 Key = tuple[bytes, str]
 
-MAX_REPEATED_CLOSES = 16  # closes of one session that wait for its close; more are answered at once
+MAX_REPEATED_CLOSES = 16  # closes of a generating session that wait for its close; more are answered at once
 
 
 class SessionDesk:
@@ -43,7 +43,8 @@ class SessionDesk:
         self.lease_ms = lease_ms
         self.stage = stage  # what this stage serves, its shard's fingerprint included
         # Sessions whose close is under way: the rids of the closes that wait for it, the first
-        # the one that closes it (a repeat is answered with it: after a run's `done`, never before).
+        # the one that closes it (a repeat during a `generate` is answered with it, after the
+        # run's `done`; any other repeat at once).
         self.closing: dict[Key, list[int]] = {}
 
     async def open(self, peer: bytes, req: wire.Open) -> None:
@@ -70,8 +71,8 @@ class SessionDesk:
         key = (peer, req.session)
         run = self.generations.runs.get(key)
         waiting = self.closing.get(key)
-        if waiting is not None and len(waiting) < MAX_REPEATED_CLOSES:
-            waiting.append(req.rid)
+        if waiting is not None and run is not None and len(waiting) < MAX_REPEATED_CLOSES:
+            waiting.append(req.rid)  # answered after the run's `done`, as the first one is
             return
         if waiting is not None or (run is None and self.engine.max_tokens_of(peer, req.session) is None):
             self._closed(peer, req.rid, req.session, existed=False)
