@@ -73,8 +73,9 @@ def release_free_heap() -> bool:
 
     Loading a model and creating its context allocate and free megabytes of temporaries (the
     file's metadata, the vocabulary's construction, the graph reservations). glibc keeps freed
-    blocks for the next allocation, and a stage's next allocations are few and small: after
-    loading, 11 MiB of a 1B-shape last stage was such free heap (evidence/tail-memory/).
+    blocks for the next allocation, and a stage's next allocations may not reuse them: 11 MiB
+    of a 1B-shape last stage stayed free after prefill calls in fresh sequences, where one
+    prefill and decodes in the same sequences reused it (evidence/tail-memory/).
     `malloc_trim` only returns free pages; it changes no allocation policy of the process."""
     trim = getattr(_libc, "malloc_trim", None)
     if trim is None:
