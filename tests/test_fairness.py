@@ -11,6 +11,7 @@ import trio
 from neuron_tai.client import NodeError, open_client
 from neuron_tai.config import NodeConfig
 from neuron_tai.node import open_node
+from neuron_tai.sessions import MAX_REPEATED_CLOSES
 from tests.held import held_decodes, wait_until
 from tests.test_generate import IDS, RawPeer, generating, int32
 from tests.test_node import engine_config, prompt
@@ -172,14 +173,19 @@ async def test_a_flood_during_a_long_decode_leaves_another_connection_its_room(t
             assert all(r["retry_after_ms"] for r in busy)
 
 
-async def test_a_second_close_of_a_generating_session_does_not_wait(tiny_model: Path) -> None:
+async def test_closes_of_a_generating_session_wait_for_its_done_up_to_a_bound(tiny_model: Path) -> None:
+    """Every close during a `generate` is answered after the run's `done` (the contract's order),
+    the repeats `existed: false`; past MAX_REPEATED_CLOSES of one session, at once: a flood of
+    closes queues nothing."""
+    last = 3 + MAX_REPEATED_CLOSES
     async with open_node(NodeConfig(engine_config(tiny_model), bind="tcp://127.0.0.1:0")) as node:
         async with generating(node, stream=False) as (peer, release):
-            peer.send({"op": "close", "rid": 3, "session": "s"})
-            peer.send({"op": "close", "rid": 4, "session": "s"})
-            second, _ = await peer.recv()  # while the run still holds the session
-            assert second == {"v": 1, "op": "closed", "rid": 4, "session": "s", "existed": False}
+            for rid in range(3, last + 1):
+                peer.send({"op": "close", "rid": rid, "session": "s"})
+            past, _ = await peer.recv()  # while the run still holds the session
+            assert past == {"v": 1, "op": "closed", "rid": last, "session": "s", "existed": False}
             release.set()
-            replies = [(await peer.recv())[0] for _ in range(2)]
-        assert [(r["op"], r["rid"]) for r in replies] == [("done", 2), ("closed", 3)] and replies[1]["existed"]
+            replies = [(await peer.recv())[0] for _ in range(1 + MAX_REPEATED_CLOSES)]
+        assert [(r["op"], r["rid"]) for r in replies] == [("done", 2), *(("closed", rid) for rid in range(3, last))]
+        assert [r["existed"] for r in replies[1:]] == [True] + [False] * (MAX_REPEATED_CLOSES - 1)
         assert node.stats()["sessions_active"] == 0 and not node.sessions.closing
