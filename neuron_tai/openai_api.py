@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -69,6 +70,9 @@ class GenerationParams:
         return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed}
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # a UTF-16 surrogate's escape, paired or not
+
+
 def parse_json(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(raw)
@@ -79,7 +83,8 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     try:  # JSON's \ud800-\udfff escapes decode to lone surrogates, which no UTF-8 text holds
-        json.dumps(body, ensure_ascii=False).encode()
+        if _SURROGATE_ESCAPE.search(raw):  # only then is the body encoded again to find an unpaired one
+            json.dumps(body, ensure_ascii=False).encode()
     except UnicodeEncodeError:
         raise bad("the request body holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape)") from None
     except RecursionError:
