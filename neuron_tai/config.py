@@ -49,7 +49,7 @@ class NodeConfig:
     )
     max_message_bytes: int = field(
         default=bounds.MAX_MESSAGE_BYTES,
-        metadata=_bytes("largest message ZeroMQ accepts (ZMQ_MAXMSGSIZE); a longer one drops its connection"),
+        metadata=_bytes("largest frame ZeroMQ accepts (ZMQ_MAXMSGSIZE); a larger one drops its connection"),
     )
     hwm: int = 1000  # ZeroMQ's queue of arriving messages per connection (RCVHWM)
     # ZeroMQ's queue of messages on their way out, per connection (the ROUTER's SNDHWM) and to

@@ -25,6 +25,11 @@ than after `timeout_s`:
   made while the link is down are remembered and sent once it is up.
 What waits for the next stage is bounded in bytes: ZeroMQ's pipe holds at most `send_hwm`
 messages, the outbox behind it at most `max_outbox_bytes` (beyond that a request fails at once).
+What comes back is bounded too: no frame of a reply may be larger than the largest a step of
+`max_rows` rows can need (`largest_reply_frame`); ZeroMQ drops a link that sends one, like a
+link that went down, so a faulty or hostile next stage cannot make this node take in more.
+ZeroMQ never reconnects a connection it dropped for breaking its protocol (such a frame among
+them), so a link down for `REDIAL_S` is dialled again: a next stage that comes back is found.
 The DEALER has one routing id for the node's lifetime (ZMQ_ROUTING_ID, random), so the
 next stage sees a reconnect as the same connection: the sessions forwarded there stay
 this node's. A `LeaseKeeper` pings while this node holds forwarded sessions there.
@@ -32,6 +37,7 @@ this node's. A `LeaseKeeper` pings while this node holds forwarded sessions ther
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from typing import Any
@@ -47,6 +53,7 @@ from transport.requester import ClientClosed, OutboxFull, Requester
 from transport.trio_zmq import TrioSocket
 from transport.wire import (
     NEXT_STAGE_REPLY_LIMITS,
+    REQUEST_HEADER_EXTRA,
     Close,
     Fault,
     Open,
@@ -63,6 +70,7 @@ HEARTBEAT_IVL_MS = 250
 HEARTBEAT_TIMEOUT_MS = 1000
 CONNECT_WAIT_S = 2.0  # how long a request waits for the link to come up before it fails
 CLOSE_RETRY_S = 0.1  # how often closes the outbox had no room for are tried again
+REDIAL_S = 2.0  # a link down this long is dialled again (ZeroMQ's own reconnects may have stopped)
 
 _UP = zmq.EVENT_HANDSHAKE_SUCCEEDED
 _DOWN = (
@@ -73,10 +81,19 @@ _DOWN = (
 )
 
 
-def _set_up(sock: zmq.Socket[bytes], curve: ClientCurve | None, hwm: int, send_hwm: int) -> None:
-    """A link's DEALER: its own routing id, heartbeats, no linger, and the high-water marks."""
+def largest_reply_frame(max_rows: int, n_embd: int, n_vocab: int) -> int:
+    """The largest frame a next stage's reply needs: a header (request-sized,
+    NEXT_STAGE_REPLY_LIMITS), f32 hidden states for each of `max_rows` rows, or one row of
+    f32 logits (an `out: "tokens"` reply, 4 bytes a row, is never larger than the hidden)."""
+    return max(REQUEST_HEADER_EXTRA, max_rows * n_embd * 4, n_vocab * 4)
+
+
+def _set_up(sock: zmq.Socket[bytes], curve: ClientCurve | None, hwm: int, send_hwm: int, max_frame_bytes: int) -> None:
+    """A link's DEALER: its own routing id, heartbeats, no linger, the high-water marks and
+    the largest frame it takes in."""
     if curve is not None:  # the node's own key pair, and the next stage's public key
         curve.apply(sock)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
     sock.setsockopt(zmq.ROUTING_ID, os.urandom(16))
     sock.setsockopt(zmq.IMMEDIATE, 1)
     sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
@@ -101,11 +118,14 @@ class NextStage:
         connect_wait_s: float = CONNECT_WAIT_S,
         send_hwm: int | None = None,
         max_outbox_bytes: int = MAX_OUTBOX_BYTES,
+        max_rows: int = 512,
     ) -> None:
+        """`max_rows`: the most rows one request sends (this node's `max_step_tokens`)."""
         sock = ctx.socket(zmq.DEALER)
         monitor: TrioSocket | None = None
+        max_frame_bytes = largest_reply_frame(max_rows, n_embd, n_vocab)
         try:  # a socket left open would keep the context (and the process) from ever ending
-            _set_up(sock, curve, hwm, hwm if send_hwm is None else send_hwm)
+            _set_up(sock, curve, hwm, hwm if send_hwm is None else send_hwm, max_frame_bytes)
             self.routing_id = sock.getsockopt(zmq.ROUTING_ID)
             monitor = TrioSocket(sock.get_monitor_socket(_UP | _DOWN))
             sock.connect(address)
@@ -135,8 +155,10 @@ class NextStage:
         self.failures = 0
         self.malformed = 0
         self.disconnects = 0
+        self.redials = 0
         self.n_embd = n_embd  # the model's, the same on every stage: the shape replies must have
         self.n_vocab = n_vocab
+        self.max_frame_bytes = max_frame_bytes
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The socket's pump, the link watcher and the lease keeper."""
@@ -145,7 +167,24 @@ class NextStage:
             nursery.start_soon(self._watch)
             nursery.start_soon(self.keeper.run)
             nursery.start_soon(self._retry_closes)
+            nursery.start_soon(self._redial)
             task_status.started()
+
+    async def _redial(self) -> None:
+        """Dial the next stage again whenever the link has been down for `REDIAL_S`."""
+        while True:
+            if self.connected:
+                await self._down.wait()
+            with trio.move_on_after(REDIAL_S):
+                await self._up.wait()
+            if not self.connected:
+                self._dial_again()
+
+    def _dial_again(self) -> None:
+        with contextlib.suppress(zmq.ZMQError):  # ZeroMQ had let the connection go already
+            self.sock.sock.disconnect(self.address)
+        self.sock.sock.connect(self.address)
+        self.redials += 1
 
     async def _retry_closes(self) -> None:
         """Closes that found the outbox full go out as it drains: a close that is lost would
@@ -238,10 +277,12 @@ class NextStage:
             "failures_total": self.failures,
             "connected": self.connected,
             "disconnects_total": self.disconnects,
+            "redials_total": self.redials,
             "sessions": len(self.keeper.sessions),
             "pings_total": self.keeper.pings,
             "outbox_bytes": self.core.pump.queued_bytes,
             "max_outbox_bytes": self.core.pump.max_bytes,
+            "max_reply_frame_bytes": self.max_frame_bytes,
         }
 
     def close(self, linger_ms: int = 0) -> None:

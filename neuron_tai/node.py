@@ -114,6 +114,7 @@ def next_stages(ctx: zmq.Context[zmq.Socket[bytes]], config: NodeConfig, engine:
                     curve=auth,
                     send_hwm=config.send_hwm,
                     max_outbox_bytes=config.max_next_outbox_bytes,
+                    max_rows=stage.max_step_tokens,
                 )
             )
     except BaseException:

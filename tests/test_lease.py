@@ -13,7 +13,7 @@ import zmq
 
 from bench.processes import free_ports
 from neuron_tai.client import Client, NodeError, open_client
-from neuron_tai.downstream import NextStage
+from neuron_tai.downstream import NextStage, largest_reply_frame
 from tests.nodes import NodeProcess, running
 from transport import wire
 
@@ -192,4 +192,47 @@ async def test_the_link_never_replays_old_work_and_keeps_its_identity() -> None:
             assert seen == [(link.routing_id, "ping"), (link.routing_id, "ping")]  # never the old open
             nursery.cancel_scope.cancel()
     finally:
+        link.close()
+
+
+async def _answer_one_ping(router: zmq.Socket[bytes], payload: bytes) -> None:
+    """Answer the next request on `router` with a `pong` carrying `payload` as a frame."""
+    while True:
+        try:
+            frames = router.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            await trio.sleep(0.01)
+            continue
+        rid = msgpack.unpackb(frames[1])["rid"]
+        router.send_multipart([frames[0], msgpack.packb({"v": 1, "op": "pong", "rid": rid}), payload])
+        return
+
+
+async def test_a_reply_frame_larger_than_a_step_needs_is_never_taken_in() -> None:
+    """A next stage's reply frame one byte over the largest a step of `max_rows` rows needs
+    drops the link (the request fails, nothing is read); the link is dialled again, and a
+    frame of exactly that size is read (and refused: a `pong` carries no payload)."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    address = f"tcp://127.0.0.1:{free_ports(1)[0]}"
+    largest = largest_reply_frame(512, 64, 268)
+    assert largest == 512 * 64 * 4  # the hidden states of 512 rows
+    link = NextStage(ctx, address, timeout_s=30, hwm=100, n_embd=64, n_vocab=268, max_rows=512)
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # as a node's: the link comes back under its routing id
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(address)
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(link.run)
+            for size, disconnects, malformed in ((largest + 1, 1, 0), (largest, 1, 1)):
+                with trio.fail_after(20):
+                    await link.wait_connected()
+                    nursery.start_soon(_answer_one_ping, router, bytes(size))
+                    assert await link.call(wire.Ping(0)) is None
+                assert (link.disconnects, link.malformed) == (disconnects, malformed)
+            assert link.redials >= 1  # ZeroMQ does not reconnect a link it dropped for that frame
+            assert link.stats()["max_reply_frame_bytes"] == largest
+            nursery.cancel_scope.cancel()
+    finally:
+        router.close()
         link.close()
