@@ -51,6 +51,7 @@ from engine.messages import (
     StepRequest,
     StepsEnded,
 )
+from engine.open_sessions import OpenSessions
 from engine.process_memory import resident_memory
 from engine.replies import Reply
 from engine.scheduler import INVARIANT_MAX_ROWS, Plan, Scheduler, SchedulerConfig
@@ -111,6 +112,7 @@ class Engine:
         self.pad_rows = config.pad_rows or INVARIANT_PAD_ROWS[backend.model.kernel_path.value]
         row_blocks = CALL_ROW_BLOCKS[backend.model.kernel_path.value]
         self.scheduler: EngineScheduler = Scheduler(scheduler_config(config, cells, self.pad_rows, row_blocks))
+        self.open_sessions = OpenSessions(self.scheduler)
         self.queued_per_peer = config.queued_per_peer()
         if not 1 <= self.queued_per_peer <= config.inbox_size:
             raise ValueError(
@@ -245,26 +247,6 @@ class Engine:
     def busy_retry_ms(self) -> int:
         """When a `busy` requester should try again: about one step from now."""
         return self.scheduler.estimates.busy_retry_ms()
-
-    def max_tokens_of(self, owner: Any, session: str) -> int | None:
-        """An open session's `max_tokens`; None when there is no such session."""
-        found = self.scheduler.sessions.get((owner, session))
-        return None if found is None else found.max_tokens
-
-    def opening_of(self, owner: Any, session: str) -> int | None:
-        """Which admission an open session is (a session opened again under its name has
-        another); None when there is no such session."""
-        found = self.scheduler.sessions.get((owner, session))
-        return None if found is None else found.opening
-
-    def sessions_of(self, owner: Any) -> int:
-        """How many open sessions `owner` holds."""
-        return sum(1 for key in self.scheduler.sessions if key[0] == owner)
-
-    def length_of(self, owner: Any, session: str) -> int | None:
-        """An open session's length (positions its KV holds); None when there is no such session."""
-        found = self.scheduler.sessions.get((owner, session))
-        return None if found is None else found.length
 
     def count_error(self, code: ErrorCode) -> None:
         """Count an error answered outside the engine (wire, chaining) in `errors_total`."""

@@ -90,7 +90,7 @@ class Generations:
         if fault is not None:
             self.outbox.error(peer, req.rid, fault, req.session)
             return
-        if key in self.gate and self.engine.max_tokens_of(peer, req.session) is not None:
+        if key in self.gate and self.engine.open_sessions.max_tokens_of(peer, req.session) is not None:
             self.outbox.busy(peer, req.rid, "the session already has a step in flight", req.session)
             return
         run, hold = Generation(), Held(self.steps.held_bytes(req.n, req.tokens.nbytes))
@@ -107,7 +107,9 @@ class Generations:
         (the run answers its cancels as it ends: no task, so a cancel is never refused for room)."""
         run = self.runs.get((peer, req.session))
         if run is None:
-            self.outbox.send(peer, _cancelled(req.rid, req.session, self.engine.length_of(peer, req.session) or 0))
+            self.outbox.send(
+                peer, _cancelled(req.rid, req.session, self.engine.open_sessions.length_of(peer, req.session) or 0)
+            )
         elif len(run.cancels) >= MAX_PENDING_CANCELS:
             why = f"this session's generation already has {MAX_PENDING_CANCELS} cancels waiting for its end"
             self.outbox.busy(peer, req.rid, why)
@@ -251,7 +253,7 @@ class Generations:
         # far as it could); never past the last token kept (a pass's rejected drafts may still
         # be in the KV).
         kept = progress.pos if req.stream else req.pos + req.n
-        run.length = self.engine.length_of(peer, req.session) or 0
+        run.length = self.engine.open_sessions.length_of(peer, req.session) or 0
         if progress.produced:
             run.length = await self._cut(peer, req.session, run.length, kept)
         self.outbox.send(peer, wire.encode_reply(wire.ErrorReply.of(fault, req.rid, req.session, run.length)))
@@ -266,7 +268,7 @@ class Generations:
         passes: int | None,
     ) -> None:
         produced = progress.produced
-        run.length = progress.pos if produced else (self.engine.length_of(peer, req.session) or 0)
+        run.length = progress.pos if produced else (self.engine.open_sessions.length_of(peer, req.session) or 0)
         tokens = None if req.stream else np.array(produced, np.int32)
         done = wire.Done(req.rid, req.session, str(reason), len(produced), run.length, tokens, passes)
         self.outbox.deliver(peer, req.session, wire.encode_reply(done))

@@ -162,7 +162,7 @@ class Node:
         )
         self.pool = HandlerPool(limits, self.outbox.error)
         self.forwarder = Forwarder(self.next, engine) if self.next is not None else None
-        self.gate = SessionGate(lambda key: engine.max_tokens_of(*key) is not None)
+        self.gate = SessionGate(lambda key: engine.open_sessions.max_tokens_of(*key) is not None)
         engine.activity = self.gate  # its idle clock runs from a step's answer, not its end here
         recovery = RecoveryLimits(config.recovery_attempts, config.recovery_deadline_s)
         self.steps = StepRunner(engine, self.stage, self.forwarder, recovery, config.part_rows)
@@ -170,7 +170,7 @@ class Node:
         self.leases = Leases(
             config.lease_s,
             busy=self.pool.busy_with,
-            holds_sessions=engine.sessions_of,
+            holds_sessions=engine.open_sessions.count_of,
             expire=self._drop_peer,
             forget=self.pump.forget,
         )
@@ -257,7 +257,7 @@ class Node:
         if fault is not None:
             self.outbox.error(peer, req.rid, fault)
             return
-        if key in self.gate and self.engine.max_tokens_of(peer, req.session) is not None:
+        if key in self.gate and self.engine.open_sessions.max_tokens_of(peer, req.session) is not None:
             self.outbox.busy(peer, req.rid, "the session already has a step in flight")
             return
         payload = req.tokens if req.tokens is not None else req.hidden

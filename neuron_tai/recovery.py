@@ -104,7 +104,7 @@ class Recovery(Generic[T]):
         started = trio.current_time()
         log.warning("session %r lost its route (%s): recovering", req.session, broken.fault.message)
         outcome: T | Fault | BrokenRoute = broken
-        opening = self.forwarder.engine.opening_of(peer, req.session)
+        opening = self.forwarder.engine.open_sessions.opening_of(peer, req.session)
         deadline = started + self.deadline_s
         # The deadline is checked between attempts, never inside one: an attempt cancelled
         # midway would leave an open in flight below, or its replay step in the head's engine
@@ -161,14 +161,14 @@ class Recovery(Generic[T]):
     def _gone(self, peer: bytes, session: str, opening: int | None) -> bool:
         """Whether the session was closed (and maybe opened again) since the recovery began:
         what is recovered is no longer there to recover."""
-        return self.forwarder.engine.opening_of(peer, session) != opening
+        return self.forwarder.engine.open_sessions.opening_of(peer, session) != opening
 
     async def _restore(self, peer: bytes, req: wire.Step, opening: int | None) -> bool:
         """After a recovery that failed: this stage's KV of the session rebuilt up to `req.pos`,
         as before the step (a replay recomputes it from position 0, and a failed one stops short).
         Through this stage's layers alone: nothing below holds the session any more. Whether the
         session now stands at `req.pos`."""
-        length = self.forwarder.engine.length_of(peer, req.session)
+        length = self.forwarder.engine.open_sessions.length_of(peer, req.session)
         history = self.histories.before((peer, req.session), req.pos)
         if length is None or self._gone(peer, req.session, opening) or len(history) < req.pos:
             return False

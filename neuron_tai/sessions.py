@@ -61,7 +61,7 @@ class SessionDesk:
                 await self.engine.cleanup(CloseRequest(peer, req.session))  # nothing is opened anywhere
                 self.outbox.relay(peer, req.rid, chained)
                 return
-            if self.engine.max_tokens_of(peer, req.session) is None:  # freed meanwhile: free it there too
+            if self.engine.open_sessions.max_tokens_of(peer, req.session) is None:  # freed meanwhile: free it there too
                 self.forwarder.session_freed(peer, req.session)
             stage = chained
         reply = wire.Opened(req.rid, req.session, opened.kv_reserved, stage, self.lease_ms)
@@ -74,7 +74,7 @@ class SessionDesk:
         if waiting is not None and run is not None and len(waiting) < MAX_REPEATED_CLOSES:
             waiting.append(req.rid)  # answered after the run's `done`, as the first one is
             return
-        if waiting is not None or (run is None and self.engine.max_tokens_of(peer, req.session) is None):
+        if waiting is not None or (run is None and self.engine.open_sessions.max_tokens_of(peer, req.session) is None):
             self._closed(peer, req.rid, req.session, existed=False)
             return
         self.closing[key] = [req.rid]

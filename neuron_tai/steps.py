@@ -171,13 +171,13 @@ class StepRunner:
 
     def _remember(self, peer: bytes, session: str, pos: int, tokens: npt.NDArray[np.int32]) -> None:
         """Keep a step's tokens for recovery, unless the session was freed while it was below."""
-        if self.recovery is not None and self.engine.max_tokens_of(peer, session) is not None:
+        if self.recovery is not None and self.engine.open_sessions.max_tokens_of(peer, session) is not None:
             self.recovery.histories.record((peer, session), pos, tokens)
 
     def session_freed(self, peer: bytes, session: str) -> None:
         """The engine freed the session. Its end is read a little later than it happened: a
         session of the same name opened again meanwhile is left alone."""
-        if self.engine.max_tokens_of(peer, session) is not None:
+        if self.engine.open_sessions.max_tokens_of(peer, session) is not None:
             return
         if self.recovery is not None:
             self.recovery.histories.forget((peer, session))

@@ -100,7 +100,7 @@ async def test_a_step_undone_after_its_session_was_reopened_leaves_the_new_one_a
             nursery.start_soon(functools.partial(client.step, "s", 0, tokens=[1, 5, 6, 7, 9, 9]))
             below.token(await below.expect("step"))
         peer = next(iter(head.leases.last_heard))
-        assert head.engine.length_of(peer, "s") == 6
+        assert head.engine.open_sessions.length_of(peer, "s") == 6
 
 
 async def test_the_idle_clock_spares_a_step_on_its_way_below(
@@ -146,7 +146,7 @@ async def test_a_recovery_that_fails_leaves_the_session_as_before_the_step(
         stats = await client.stats()
         assert codes == ["downstream"]  # a replay refused below is a route no better than a broken one
         assert (stats["recoveries_total"], stats["recoveries_failed_total"]) == (0, 1)
-        assert head.engine.length_of(next(iter(head.leases.last_heard)), "s") == 3
+        assert head.engine.open_sessions.length_of(next(iter(head.leases.last_heard)), "s") == 3
 
 
 async def generating_over(raw: RawPeer, below: HandStage) -> None:
