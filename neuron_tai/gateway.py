@@ -63,7 +63,7 @@ from neuron_tai.openai_api import (
     requested_model,
 )
 from neuron_tai.stop_text import StopText
-from neuron_tai.text_stream import TextStream
+from neuron_tai.text_stream import TextStream, answer_piece
 from protocol.errors import ErrorCode
 
 STATS_TIMEOUT_S = 2.0
@@ -562,9 +562,10 @@ class Gateway:
                         reason = "stop" if reply.reason in ("eog", "stop") else "length"
                         made -= reply.reason == "eog"  # the token that ended the run is not part of the answer
                         break
-                    made += len(reply.tokens)
+                    shown, kept = await answer_piece(reply.tokens, text, stop, opened.eog)
+                    made += kept
                     access.tokens = made
-                    if shown := stop.push(await text.push([t for t in reply.tokens if t not in opened.eog])):
+                    if shown:
                         yield shown
                     if stop.stopped:
                         reason = "stop"

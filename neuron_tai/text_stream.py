@@ -30,8 +30,10 @@ WINDOW tokens plus the pushed ones.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
+
+from neuron_tai.stop_text import StopText
 
 WINDOW = 64
 CONTEXT = 8
@@ -72,3 +74,20 @@ class TextStream:
         out = self.text[self.shown : upto]  # empty unless `upto` is past what was shown
         self.shown = max(self.shown, upto)
         return out
+
+
+async def answer_piece(
+    tokens: Sequence[int], text: TextStream, stop: StopText, hidden: Collection[int]
+) -> tuple[str, int]:
+    """The text one reply's `tokens` make safe to show (`hidden` tokens, end-of-generation,
+    add none), and how many of them the answer keeps. With stop strings, a reply of several
+    tokens goes one token at a time: none after the one that completes a stop string is shown
+    or counted in `usage`."""
+    pieces = [[t] for t in tokens] if stop.stops and len(tokens) > 1 else [list(tokens)]
+    shown, kept = "", 0
+    for piece in pieces:
+        kept += len(piece)
+        shown += stop.push(await text.push([t for t in piece if t not in hidden]))
+        if stop.stopped:
+            break
+    return shown, kept

@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 import trio
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from openai.types.chat import ChatCompletionMessageParam
 
@@ -29,6 +29,7 @@ from neuron_tai.config import NodeConfig
 from neuron_tai.gateway import EventStream, GatewayConfig, serve_gateway
 from neuron_tai.node import open_node
 from neuron_tai.stop_text import StopText
+from neuron_tai.text_stream import TextStream, answer_piece
 from tests.held import held_decodes, wait_until
 from tests.nodes import NodeProcess, running
 from tests.test_generate import stop_asked
@@ -103,6 +104,43 @@ def test_stop_text_flush_releases_what_was_held() -> None:
     assert stop.push("line\n") == "line"
     assert stop.flush() == "\n"
     assert not stop.stopped
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    letters=st.lists(st.sampled_from("ab c"), min_size=1, max_size=12),
+    stops=st.lists(st.text("ab c", min_size=1, max_size=3), max_size=2),
+    cut=st.integers(0, 11),
+)
+def test_a_reply_is_kept_up_to_the_token_that_completes_a_stop_string(
+    letters: list[str], stops: list[str], cut: int
+) -> None:
+    """Token i is the one-character text `letters[i]`; the tokens come in two replies. The
+    answer keeps every token up to the first whose text completes a stop string, and shows
+    the text before that stop string, however the replies split the tokens."""
+
+    async def detokenize(ids: list[int]) -> str:
+        return "".join(letters[i] for i in ids)
+
+    async def run() -> tuple[str, int]:
+        text, stop = TextStream(detokenize), StopText(tuple(stops))
+        ids = list(range(len(letters)))
+        shown, kept = "", 0
+        for reply in (ids[:cut], ids[cut:]):
+            piece, n = await answer_piece(reply, text, stop, set())
+            shown, kept = shown + piece, kept + n
+            if stop.stopped:
+                break
+        return shown + stop.push(text.flush()) + stop.flush(), kept
+
+    whole = "".join(letters)
+    ends = [whole.find(s) + len(s) for s in stops if s in whole]
+    if ends:  # the first stop string to be complete, and the text before the first one in it then
+        kept = min(ends)
+        expected = (whole[: min(whole[:kept].find(s) for s in stops if s in whole[:kept])], kept)
+    else:
+        expected = (whole, len(letters))
+    assert trio.run(run) == expected
 
 
 def test_chat_template_renders_with_llama_cpp_globals_and_splits_special_tokens() -> None:
