@@ -140,6 +140,20 @@ def test_a_reopened_session_keeps_its_sampling(tiny_shards2: list[Path]) -> None
         trio.run(main)
 
 
+async def _answer_one_ping(router: zmq.Socket[bytes], *payload: bytes) -> tuple[bytes, str]:
+    """Answer the next request on `router` with a `pong` (and `payload` frames); the request's
+    routing id and op."""
+    while True:
+        try:
+            frames = router.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            await trio.sleep(0.01)
+            continue
+        header = msgpack.unpackb(frames[1])
+        router.send_multipart([frames[0], msgpack.packb({"v": 1, "op": "pong", "rid": header["rid"]}), *payload])
+        return frames[0], header["op"]
+
+
 async def test_the_link_never_replays_old_work_and_keeps_its_identity() -> None:
     """Nothing listens at first: a request fails at once and is not sent later. Then two next
     stages in turn at the same address see the same routing id."""
@@ -163,19 +177,8 @@ async def test_the_link_never_replays_old_work_and_keeps_its_identity() -> None:
                     answered = trio.Event()
 
                     async def answer(router: zmq.Socket[bytes] = router, done: trio.Event = answered) -> None:
-                        while True:
-                            try:
-                                frames = router.recv_multipart(zmq.NOBLOCK)
-                            except zmq.Again:
-                                await trio.sleep(0.01)
-                                continue
-                            header = msgpack.unpackb(frames[1])
-                            seen.append((frames[0], header["op"]))
-                            router.send_multipart(
-                                [frames[0], msgpack.packb({"v": 1, "op": "pong", "rid": header["rid"]})]
-                            )
-                            done.set()
-                            return
+                        seen.append(await _answer_one_ping(router))
+                        done.set()
 
                     nursery.start_soon(answer)
                     with trio.fail_after(20):
@@ -193,19 +196,6 @@ async def test_the_link_never_replays_old_work_and_keeps_its_identity() -> None:
             nursery.cancel_scope.cancel()
     finally:
         link.close()
-
-
-async def _answer_one_ping(router: zmq.Socket[bytes], payload: bytes) -> None:
-    """Answer the next request on `router` with a `pong` carrying `payload` as a frame."""
-    while True:
-        try:
-            frames = router.recv_multipart(zmq.NOBLOCK)
-        except zmq.Again:
-            await trio.sleep(0.01)
-            continue
-        rid = msgpack.unpackb(frames[1])["rid"]
-        router.send_multipart([frames[0], msgpack.packb({"v": 1, "op": "pong", "rid": rid}), payload])
-        return
 
 
 async def test_a_reply_frame_larger_than_a_step_needs_is_never_taken_in() -> None:
