@@ -28,8 +28,10 @@ messages, the outbox behind it at most `max_outbox_bytes` (beyond that a request
 What comes back is bounded too: no frame of a reply may be larger than the largest a step of
 `max_rows` rows can need (`largest_reply_frame`); ZeroMQ drops a link that sends one, like a
 link that went down, so a faulty or hostile next stage cannot make this node take in more.
-ZeroMQ never reconnects a connection it dropped for breaking its protocol (such a frame among
-them), so a link down for `REDIAL_S` is dialled again: a next stage that comes back is found.
+ZeroMQ never reconnects a connection it dropped for breaking its protocol (such a frame, a
+refused handshake), so a link that went down and then saw no connection attempt for
+`REDIAL_S` is dialled again, at doubling waits up to `REDIAL_MAX_S` while dials keep failing:
+a next stage that comes back is found, and a slow handshake is never cut short.
 The DEALER has one routing id for the node's lifetime (ZMQ_ROUTING_ID, random), so the
 next stage sees a reconnect as the same connection: the sessions forwarded there stay
 this node's. A `LeaseKeeper` pings while this node holds forwarded sessions there.
@@ -70,7 +72,9 @@ HEARTBEAT_IVL_MS = 250
 HEARTBEAT_TIMEOUT_MS = 1000
 CONNECT_WAIT_S = 2.0  # how long a request waits for the link to come up before it fails
 CLOSE_RETRY_S = 0.1  # how often closes the outbox had no room for are tried again
-REDIAL_S = 2.0  # a link down this long is dialled again (ZeroMQ's own reconnects may have stopped)
+REDIAL_S = 2.0  # a link dropped and left without an attempt this long is dialled again
+REDIAL_MAX_S = 30.0  # the longest wait between dials that keep failing
+FRAME_OVERHEAD = 64  # bytes a frame grows on the wire, where ZMQ_MAXMSGSIZE counts: CURVE adds 33
 
 _UP = zmq.EVENT_HANDSHAKE_SUCCEEDED
 _DOWN = (
@@ -79,13 +83,15 @@ _DOWN = (
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
+_TRYING = zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_DELAYED | zmq.EVENT_CONNECT_RETRIED  # ZeroMQ at work
 
 
 def largest_reply_frame(max_rows: int, n_embd: int, n_vocab: int) -> int:
-    """The largest frame a next stage's reply needs: a header (request-sized,
-    NEXT_STAGE_REPLY_LIMITS), f32 hidden states for each of `max_rows` rows, or one row of
-    f32 logits (an `out: "tokens"` reply, 4 bytes a row, is never larger than the hidden)."""
-    return max(REQUEST_HEADER_EXTRA, max_rows * n_embd * 4, n_vocab * 4)
+    """The largest frame a next stage's reply needs, as ZeroMQ counts it: a header
+    (request-sized, NEXT_STAGE_REPLY_LIMITS), f32 hidden states for each of `max_rows` rows,
+    or one row of f32 logits (an `out: "tokens"` reply, 4 bytes a row, is never larger than
+    the hidden), plus what encryption adds to a frame."""
+    return max(REQUEST_HEADER_EXTRA, max_rows * n_embd * 4, n_vocab * 4) + FRAME_OVERHEAD
 
 
 def _set_up(sock: zmq.Socket[bytes], curve: ClientCurve | None, hwm: int, send_hwm: int, max_frame_bytes: int) -> None:
@@ -102,6 +108,15 @@ def _set_up(sock: zmq.Socket[bytes], curve: ClientCurve | None, hwm: int, send_h
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, send_hwm)
     sock.setsockopt(zmq.RCVHWM, hwm)
+
+
+def _stop_monitor(sock: zmq.Socket[bytes], monitor: TrioSocket) -> None:
+    """Stop the socket's events before closing their reader. The other way round, the events
+    of a link closing while connected have no reader, and ZeroMQ's I/O thread, which sends
+    them, stops there for good: no socket of the context connects again (libzmq 4.3.5)."""
+    with contextlib.suppress(zmq.ZMQError):
+        sock.disable_monitor()
+    monitor.close()
 
 
 class NextStage:
@@ -127,11 +142,11 @@ class NextStage:
         try:  # a socket left open would keep the context (and the process) from ever ending
             _set_up(sock, curve, hwm, hwm if send_hwm is None else send_hwm, max_frame_bytes)
             self.routing_id = sock.getsockopt(zmq.ROUTING_ID)
-            monitor = TrioSocket(sock.get_monitor_socket(_UP | _DOWN))
+            monitor = TrioSocket(sock.get_monitor_socket(_UP | _DOWN | _TRYING))
             sock.connect(address)
         except BaseException as exc:
             if monitor is not None:
-                monitor.close()
+                _stop_monitor(sock, monitor)
             sock.close(linger=0)
             if isinstance(exc, zmq.ZMQError):
                 reason = zmq.strerror(exc.errno or 0)
@@ -150,6 +165,9 @@ class NextStage:
         self.connected = False
         self._up = trio.Event()
         self._down = trio.Event()  # set when the connection that is up goes down
+        self._dropped = trio.Event()  # set when a connection (or its handshake) ends
+        self._trying = trio.Event()  # set when ZeroMQ connects or plans to, since the last drop
+        self._redial_wait = REDIAL_S
         self._closes_pending: set[str] = set()
         self._close_waits = trio.Event()  # set while a close waits to be sent
         self.failures = 0
@@ -171,20 +189,27 @@ class NextStage:
             task_status.started()
 
     async def _redial(self) -> None:
-        """Dial the next stage again whenever the link has been down for `REDIAL_S`."""
+        """Dial again after a drop that ZeroMQ follows with no attempt of its own."""
         while True:
-            if self.connected:
-                await self._down.wait()
-            with trio.move_on_after(REDIAL_S):
-                await self._up.wait()
-            if not self.connected:
+            await self._dropped.wait()
+            self._dropped = trio.Event()
+            with trio.move_on_after(self._redial_wait):
+                await self._trying.wait()
+            if not self._trying.is_set():
                 self._dial_again()
+                self._redial_wait = min(REDIAL_MAX_S, 2 * self._redial_wait)
 
     def _dial_again(self) -> None:
         with contextlib.suppress(zmq.ZMQError):  # ZeroMQ had let the connection go already
             self.sock.sock.disconnect(self.address)
-        self.sock.sock.connect(self.address)
+        try:
+            self.sock.sock.connect(self.address)
+        except zmq.ZMQError as exc:
+            log.warning("next stage %s: cannot dial again: %s", self.address, exc)
+            self._dropped.set()  # try again after the next wait
+            return
         self.redials += 1
+        log.info("next stage %s: dialled again", self.address)
 
     async def _retry_closes(self) -> None:
         """Closes that found the outbox full go out as it drains: a close that is lost would
@@ -207,24 +232,36 @@ class NextStage:
         """Follow the connection's state from the socket monitor's events."""
         while True:
             event = parse_monitor_message(await self.monitor.recv())["event"]
+            if event & (_UP | _TRYING):
+                self._trying.set()
             if event & _UP:
-                if not self.connected:
-                    log.info("next stage %s connected", self.address)
-                    self.core.pump.drop_outbox()  # queued while down: too old to send now
-                    self.core.pump.hold(False)
-                    self._send_pending_closes()
-                    self._down = trio.Event()
-                self.connected = True
-                self._up.set()
-            elif event & _DOWN and self.connected:
-                self.connected = False
-                self._up = trio.Event()
-                self._down.set()
-                self.disconnects += 1
-                self.core.pump.hold(True)
-                dropped = self.core.pump.drop_outbox()
-                self.core.fail_waiting()
-                log.warning("next stage %s disconnected (%d unsent dropped)", self.address, dropped)
+                self._came_up()
+            elif event & _DOWN:
+                self._trying = trio.Event()
+                self._dropped.set()
+                if self.connected:
+                    self._went_down()
+
+    def _came_up(self) -> None:
+        if not self.connected:
+            log.info("next stage %s connected", self.address)
+            self.core.pump.drop_outbox()  # queued while down: too old to send now
+            self.core.pump.hold(False)
+            self._send_pending_closes()
+            self._down = trio.Event()
+        self.connected = True
+        self._redial_wait = REDIAL_S
+        self._up.set()
+
+    def _went_down(self) -> None:
+        self.connected = False
+        self._up = trio.Event()
+        self._down.set()
+        self.disconnects += 1
+        self.core.pump.hold(True)
+        dropped = self.core.pump.drop_outbox()
+        self.core.fail_waiting()
+        log.warning("next stage %s disconnected (%d unsent dropped)", self.address, dropped)
 
     async def wait_connected(self) -> None:
         await self._up.wait()
@@ -287,5 +324,5 @@ class NextStage:
 
     def close(self, linger_ms: int = 0) -> None:
         """`linger_ms`: how long ZeroMQ may still try to deliver what was sent (on stopping)."""
-        self.monitor.close()
+        _stop_monitor(self.sock.sock, self.monitor)
         self.sock.close(linger_ms)

@@ -147,12 +147,13 @@ class Forwarder:
     def stats(self, *, show_address: bool) -> dict[str, Any]:
         """The links together (counters summed, `connected` if any replica is up) and each replica."""
         links = self.replicas.links
-        summed = ("failures_total", "disconnects_total", "sessions", "pings_total", "outbox_bytes")
+        summed = ("failures_total", "disconnects_total", "redials_total", "sessions", "pings_total", "outbox_bytes")
         each = [link.stats() for link in links]
         stats: dict[str, Any] = {key: sum(s[key] for s in each) for key in summed}
         stats.update(
             connected=self.replicas.any_up(),
             max_outbox_bytes=each[0]["max_outbox_bytes"],
+            max_reply_frame_bytes=each[0]["max_reply_frame_bytes"],
             malformed_total=sum(link.malformed for link in links),
             replies_dropped_total=sum(link.core.dropped for link in links),
             replicas=self.replicas.stats(),
