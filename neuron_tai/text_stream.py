@@ -82,7 +82,8 @@ async def answer_piece(
     """The text one reply's `tokens` make safe to show (`hidden` tokens, end-of-generation,
     add none), and how many of them the answer keeps. With stop strings, a reply of several
     tokens goes one token at a time: none after the one that completes a stop string is shown
-    or counted in `usage`."""
+    or counted in `usage`. That costs a `detokenize` a token, not a reply; replies carry several
+    tokens only when the gateway falls behind the node's stream."""
     pieces = [[t] for t in tokens] if stop.stops and len(tokens) > 1 else [list(tokens)]
     shown, kept = "", 0
     for piece in pieces:
