@@ -111,9 +111,10 @@ def _set_up(sock: zmq.Socket[bytes], curve: ClientCurve | None, hwm: int, send_h
 
 
 def _stop_monitor(sock: zmq.Socket[bytes], monitor: TrioSocket) -> None:
-    """Stop the socket's events before closing their reader. The other way round, the events
-    of a link closing while connected have no reader, and ZeroMQ's I/O thread, which sends
-    them, stops there for good: no socket of the context connects again (libzmq 4.3.5)."""
+    """Stop the socket's events before closing their reader. The other way round, events still
+    on their way (a connection closing, a reconnect attempt) have no reader, and ZeroMQ's I/O
+    thread, which sends them, could stop there for good: seen with libzmq 4.3.5 after links
+    that had been dropped and dialled again, no later socket of the context connected."""
     with contextlib.suppress(zmq.ZMQError):
         sock.disable_monitor()
     monitor.close()
