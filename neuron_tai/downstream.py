@@ -120,6 +120,34 @@ def _stop_monitor(sock: zmq.Socket[bytes], monitor: TrioSocket) -> None:
     monitor.close()
 
 
+def _open_dealer(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+    address: str,
+    curve: ClientCurve | None,
+    hwm: int,
+    send_hwm: int,
+    max_frame_bytes: int,
+) -> tuple[zmq.Socket[bytes], TrioSocket]:
+    """A link's DEALER, connecting to `address`, and the reader of its connection events.
+    ValueError when ZeroMQ refuses; nothing is left open then (an open socket would keep the
+    context, and the process, from ever ending)."""
+    sock = ctx.socket(zmq.DEALER)
+    monitor: TrioSocket | None = None
+    try:
+        _set_up(sock, curve, hwm, send_hwm, max_frame_bytes)
+        monitor = TrioSocket(sock.get_monitor_socket(_UP | _DOWN | _TRYING))
+        sock.connect(address)
+    except BaseException as exc:
+        if monitor is not None:
+            _stop_monitor(sock, monitor)
+        sock.close(linger=0)
+        if isinstance(exc, zmq.ZMQError):
+            reason = zmq.strerror(exc.errno or 0)
+            raise ValueError(f"cannot connect to the next stage {address}: {reason}") from None
+        raise
+    return sock, monitor
+
+
 class NextStage:
     def __init__(
         self,
@@ -137,22 +165,9 @@ class NextStage:
         max_rows: int = 512,
     ) -> None:
         """`max_rows`: the most rows one request sends (this node's `max_step_tokens`)."""
-        sock = ctx.socket(zmq.DEALER)
-        monitor: TrioSocket | None = None
         max_frame_bytes = largest_reply_frame(max_rows, n_embd, n_vocab)
-        try:  # a socket left open would keep the context (and the process) from ever ending
-            _set_up(sock, curve, hwm, hwm if send_hwm is None else send_hwm, max_frame_bytes)
-            self.routing_id = sock.getsockopt(zmq.ROUTING_ID)
-            monitor = TrioSocket(sock.get_monitor_socket(_UP | _DOWN | _TRYING))
-            sock.connect(address)
-        except BaseException as exc:
-            if monitor is not None:
-                _stop_monitor(sock, monitor)
-            sock.close(linger=0)
-            if isinstance(exc, zmq.ZMQError):
-                reason = zmq.strerror(exc.errno or 0)
-                raise ValueError(f"cannot connect to the next stage {address}: {reason}") from None
-            raise
+        sock, monitor = _open_dealer(ctx, address, curve, hwm, hwm if send_hwm is None else send_hwm, max_frame_bytes)
+        self.routing_id = sock.getsockopt(zmq.ROUTING_ID)
         self.monitor = monitor
         self.address = address
         self.timeout_s = timeout_s
